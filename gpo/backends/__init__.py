@@ -1,0 +1,1 @@
+"""Generation backends (`backend=`): `hf` (transformers generate) and `vllm` (colocated vLLM)."""

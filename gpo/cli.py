@@ -1,0 +1,166 @@
+"""The `gpo` command: run, config, list, eval, study, report.
+
+Exit codes: 0 success, 2 user error (a one-paragraph message, no traceback), 1 internal error (traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from gpo.errors import UserError
+
+EXAMPLES = """\
+examples:
+  gpo run                                          # the embedded default: CPPO on arith with SmolLM2-135M
+  gpo run algo=dapo pruner=topk allocator=dynamic task=math
+  gpo run algo=grpo pruner=none allocator=static optim.lr=1e-6 train.group_size=16
+  gpo run experiment=cppo_gsm8k --dry-run          # print the resolved config, build nothing
+  gpo run --config my_run.yaml train.steps=100
+  gpo list pruner                                  # components with their fields and defaults
+  gpo eval model=runs/NAME/final task=gsm8k split=test limit=20
+"""
+
+RUN_HELP = """\
+arguments are `group=name` picks (groups: algo, pruner, allocator, task, backend, tracker, model, engine,
+experiment) and dotted `key=value` overrides; later layers win:
+  configs/base.yaml < group picks < experiment=NAME < --config FILE < key=value overrides
+A `model=` value that is not a shipped model config is taken as a path, a .gguf file or a Hub name.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except UserError as exc:
+        print(f"gpo: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gpo: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print("gpo: internal error (a bug in gpo, please report it with the traceback above)", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="gpo", description="GRPO-family RL training with CPPO completion pruning.", epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    def command(name: str, handler: Callable, help: str, epilog: str = "") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, epilog=epilog or EXAMPLES, formatter_class=fmt)
+        p.set_defaults(handler=handler)
+        return p
+
+    def overrides(p: argparse.ArgumentParser) -> None:
+        p.add_argument("args", nargs="*", metavar="group=name|key=value")
+        p.add_argument("--config", action="append", default=[], metavar="FILE", help="YAML layered over the picks")
+
+    run = command("run", _run, "train a policy", RUN_HELP + "\n" + EXAMPLES)
+    overrides(run)
+    run.add_argument("--dry-run", action="store_true", help="print the resolved config and build nothing")
+
+    cfg = command("config", _config, "print the resolved config as YAML", RUN_HELP)
+    overrides(cfg)
+
+    lst = command("list", _list, "list registered components, their summaries and config defaults")
+    lst.add_argument("kind", nargs="?", help="algo | pruner | allocator | task | backend | tracker")
+    lst.add_argument("args", nargs="*", metavar="plugins=[...]", help=argparse.SUPPRESS)
+
+    ev = command("eval", _eval, "evaluate a model on a task (greedy, every example scored)",
+                 "examples:\n  gpo eval model=runs/NAME/final task=gsm8k split=test limit=20\n"
+                 "  gpo eval model=smollm2 task=arith limit=100 backend=hf\n")
+    overrides(ev)
+
+    study = command("study", _study, "run a grid of combinations and compare them",
+                    "examples:\n  gpo study algo=grpo,dapo pruner=none,topk pruner.rate=0.5,0.75 task=arith "
+                    "train.steps=30\n  gpo study experiment=NAME\n")
+    overrides(study)
+
+    rep = command("report", _report, "rebuild a study table and plots from existing MLflow runs")
+    rep.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    rep.add_argument("--tracking-uri", default=None)
+    rep.add_argument("--out", default="report")
+    return parser
+
+
+def _compose(args: argparse.Namespace):
+    from gpo.config import compose
+
+    return compose(args.args, args.config)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gpo.config import to_yaml
+
+    cfg = _compose(args)
+    if args.dry_run:
+        print(to_yaml(cfg), end="")
+        return 0
+    from gpo.engine import train
+
+    train(cfg)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from gpo.config import to_yaml
+
+    print(to_yaml(_compose(args)), end="")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from gpo import registry
+    from gpo.config import split_args
+
+    _, overrides = split_args(args.args)
+    plugins = [o.split("=", 1)[1].strip("[]").split(",") for o in overrides if o.startswith("plugins=")]
+    registry.load_builtins()
+    registry.load_plugins([m.strip() for group in plugins for m in group if m.strip()])
+    kinds = [args.kind] if args.kind else list(registry.KINDS)
+    for kind in kinds:
+        if kind not in registry.KINDS:
+            raise UserError(f"unknown kind `{kind}`; kinds are {', '.join(registry.KINDS)}.")
+        print(f"{kind}:")
+        for entry in registry.entries(kind):
+            print(f"  {entry.name:<12} {entry.summary}")
+            for f in dataclasses.fields(entry.config):
+                print(f"      {f.name} = {entry.defaults()[f.name]!r}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from gpo.evaluate import evaluate_from_args
+
+    return evaluate_from_args(args.args, args.config)
+
+
+def _study(args: argparse.Namespace) -> int:
+    from gpo.study import study_from_args
+
+    return study_from_args(args.args, args.config)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from gpo.study import report
+
+    report(args.run_ids, tracking_uri=args.tracking_uri, out_dir=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,239 @@
+"""The data that flows through a training step, and the one interface per kind of component.
+
+Symbols used everywhere: B questions, G completions per question (group size), N = B*G rows,
+Lp prompt length, L completion length. The G rows of a question are contiguous and share `group_ids`.
+The engine never branches on a component's name: it only calls the methods below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+Messages = list[dict[str, str]]  # chat turns: [{"role": "system", "content": ...}, {"role": "user", ...}]
+Example = dict[str, Any]  # one row of a task's data
+
+
+@dataclass
+class RolloutBatch:
+    """Generated completions with their rewards and advantages; every tensor has N rows."""
+
+    prompt_ids: Tensor  # [N, Lp] left-padded
+    prompt_mask: Tensor  # [N, Lp] 1 on prompt tokens
+    completion_ids: Tensor  # [N, L] right-padded
+    completion_mask: Tensor  # [N, L] 1 on tokens up to and including EOS
+    group_ids: Tensor  # [N] long: the question each row answers (rows of a group are contiguous)
+    rewards: Tensor  # [N] shaped total reward
+    advantages: Tensor  # [N] computed over the full group, before any pruning
+    truncated: Tensor  # [N] bool: generation hit max length without EOS
+    owner_rank: Tensor  # [N] long: rank that generated the row (scope `rank` prunes within it)
+    old_logprobs: Tensor | None = None  # [N, L] filled after pruning, only when needed
+    ref_logprobs: Tensor | None = None  # [N, L]
+    reward_components: dict[str, Tensor] = field(default_factory=dict)  # name -> [N]
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.completion_mask.sum(dim=1)  # [N]
+
+    def select(self, keep: Tensor) -> RolloutBatch:
+        """The rows where `keep` is true (order preserved), with padding re-trimmed to the kept rows' maximum."""
+        rows = keep.nonzero(as_tuple=True)[0] if keep.dtype == torch.bool else keep
+
+        def take(x: Any) -> Any:
+            if isinstance(x, Tensor):
+                return x[rows]
+            if isinstance(x, dict):
+                return {k: v[rows] for k, v in x.items()}
+            return x
+
+        out = RolloutBatch(**{f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        return out.trimmed()
+
+    def trimmed(self) -> RolloutBatch:
+        """Drop completion columns that are padding in every row, and prompt columns likewise (left side)."""
+        if len(self) == 0:
+            return self
+        width = int(self.completion_mask.sum(dim=0).nonzero().max().item()) + 1 if self.completion_mask.any() else 1
+        start = int(self.prompt_mask.sum(dim=0).nonzero().min().item()) if self.prompt_mask.any() else 0
+
+        def cut(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x[:, :width]
+
+        return dataclasses.replace(
+            self,
+            prompt_ids=self.prompt_ids[:, start:],
+            prompt_mask=self.prompt_mask[:, start:],
+            completion_ids=self.completion_ids[:, :width],
+            completion_mask=self.completion_mask[:, :width],
+            old_logprobs=cut(self.old_logprobs),
+            ref_logprobs=cut(self.ref_logprobs),
+        )
+
+    @staticmethod
+    def concat(batches: Sequence[RolloutBatch], pad_token_id: int = 0) -> RolloutBatch:
+        """Stack batches row-wise (refill rounds); group ids stay distinct, shorter tensors are padded."""
+        batches = [b for b in batches if len(b) > 0] or list(batches[:1])
+        if len(batches) == 1:
+            return batches[0]
+        offset, group_ids = 0, []
+        for b in batches:
+            group_ids.append(b.group_ids + offset)
+            offset += int(b.group_ids.max().item()) + 1 if len(b) else 0
+
+        def cat(name: str, left: bool = False, pad: float = 0) -> Tensor | None:
+            parts = [getattr(b, name) for b in batches]
+            if any(p is None for p in parts):
+                return None
+            if parts[0].dim() == 1:
+                return torch.cat(parts)
+            width = max(p.shape[1] for p in parts)
+            padded = []
+            for p in parts:
+                extra = width - p.shape[1]
+                padded.append(torch.nn.functional.pad(p, (extra, 0) if left else (0, extra), value=pad))
+            return torch.cat(padded)
+
+        return RolloutBatch(
+            prompt_ids=cat("prompt_ids", left=True, pad=pad_token_id),
+            prompt_mask=cat("prompt_mask", left=True),
+            completion_ids=cat("completion_ids", pad=pad_token_id),
+            completion_mask=cat("completion_mask"),
+            group_ids=torch.cat(group_ids),
+            rewards=cat("rewards"),
+            advantages=cat("advantages"),
+            truncated=cat("truncated"),
+            owner_rank=cat("owner_rank"),
+            old_logprobs=cat("old_logprobs"),
+            ref_logprobs=cat("ref_logprobs"),
+            reward_components={
+                k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components
+            },
+        )
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Counts over the rows trained in one optimizer step, summed over micro-batches and ranks.
+
+    Objectives divide by these, so a loss does not change with the micro-batch size or the number of ranks.
+    """
+
+    sequences: int
+    tokens: int
+
+
+@dataclass
+class Rewards:
+    """What a task's `reward` returns for N completions."""
+
+    total: list[float]  # weighted sum of the components
+    components: dict[str, list[float]]  # e.g. {"format": [...], "accuracy": [...]}
+    metrics: dict[str, float] = field(default_factory=dict)  # e.g. {"verify_timeouts": 1}
+
+
+@dataclass
+class Grade:
+    """How one completion was judged, for evaluation reports."""
+
+    extracted: str | None  # the answer read from the completion, None if there was none
+    gold: str
+    correct: bool
+    formatted: bool
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+# --- the interface of each kind ---------------------------------------------------------------------------------
+
+
+class Objective(Protocol):
+    """algo: turns rewards into advantages and log-probs into a loss."""
+
+    needs_ref_logprobs: bool  # False when the KL coefficient is 0: no reference model is loaded at all
+    needs_old_logprobs: bool  # True when mu > 1; otherwise old = detached current log-probs
+
+    def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
+        """[B, G] -> [B, G], e.g. DAPO's soft overlong penalty. Identity by default."""
+
+    def group_filter(self, rewards: Tensor) -> Tensor:
+        """[B, G] -> bool [B]: groups to keep (DAPO dynamic sampling drops zero-variance groups)."""
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        """[B, G] -> [B, G]."""
+
+    def loss(self, logp: Tensor, batch: RolloutBatch, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
+        """This micro-batch's share of the step loss (the engine sums the shares) and detached metrics."""
+
+
+class Pruner(Protocol):
+    """pruner: which completions are worth a forward pass. Pure; never changes advantages."""
+
+    def keep(self, batch: RolloutBatch) -> Tensor:
+        """bool [N]."""
+
+    def expected_kept_per_group(self, group_size: int) -> float | None:
+        """Completions kept per question on average, if known up front (used by the dynamic allocator)."""
+
+
+class Allocator(Protocol):
+    """allocator: how many questions a step draws, and refills when filtering or pruning leaves slots empty."""
+
+    def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int) -> int:
+        """Questions to draw first, for `slots` = B*G training rows."""
+
+    def next_round(self, slots_left: int, rounds_done: int, group_size: int, kept_per_group: float | None,
+                   world_size: int) -> int:
+        """Questions to draw in another round; 0 stops."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Task(Protocol):
+    """task: data, prompts, rewards and grading for one benchmark."""
+
+    def load(self, split: str) -> Sequence[Example]: ...
+
+    def prompt(self, example: Example) -> Messages: ...
+
+    def reward(self, completions: list[str], examples: list[Example]) -> Rewards: ...
+
+    def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]: ...
+
+
+class Backend(Protocol):
+    """backend: generates completions; the policy's weights are synced into it after every optimizer step."""
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
+        """Token ids of n completions per prompt, prompt-major (row i*n + j is prompt i's j-th sample)."""
+
+    def sync_weights(self, model: Any) -> None: ...
+
+
+class Tracker(Protocol):
+    """tracker: where params, metrics and artifacts go. Only rank 0 holds a real one."""
+
+    def start(self, run_name: str, params: dict[str, Any], config_yaml: str) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_artifact(self, path: str) -> None: ...
+
+    def end(self, status: str = "FINISHED") -> None: ...

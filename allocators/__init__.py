@@ -1,3 +1,3 @@
 """Allocators (`allocator=`): how many questions a step draws, and refills of empty slots."""
 
-from gpo.allocators import static  # noqa: F401
+from gpo.allocators import dynamic, static  # noqa: F401

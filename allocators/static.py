@@ -15,6 +15,59 @@ class StaticConfig:
     max_rounds: int = 1  # > 1 lets group filtering (DAPO dynamic sampling) refill emptied slots
 
 
+def check_layout(slots: int, group_size: int, world_size: int, max_rounds: int) -> None:
+    """Checks every allocator needs before its first step."""
+    if max_rounds < 1:
+        raise UserError(f"allocator.max_rounds must be >= 1, got {max_rounds}.")
+    if slots < 1 or group_size < 1 or world_size < 1:
+        raise UserError(f"allocator: slots ({slots}), group size ({group_size}) and world size ({world_size}) "
+                        "must all be >= 1.")
+    if slots % world_size:
+        raise UserError(
+            f"allocator: {slots} training rows per step (train.questions_per_step x train.group_size) do not split "
+            f"evenly over {world_size} ranks; make questions_per_step x group_size a multiple of {world_size}."
+        )
+
+
+def whole_ranks(questions: int, world_size: int) -> int:
+    """Round a question count up to a multiple of the world size, so every rank generates the same share."""
+    return math.ceil(questions / world_size) * world_size
+
+
+class StepLedger:
+    """One step's allocation so far: rounds, questions drawn, and how full the slots ended up.
+
+    The engine calls `next_round(slots_left, ...)` after every round, including the last, so the allocator sees
+    the final fill itself and no one has to report it separately.
+    """
+
+    def __init__(self) -> None:
+        self.slots = self.rounds = self.questions = 0
+        self.slots_left = 0
+
+    def start(self, slots: int, questions: int) -> int:
+        self.slots, self.rounds, self.questions, self.slots_left = slots, 1, questions, slots
+        return questions
+
+    def add(self, slots_left: int, questions: int) -> int:
+        self.slots_left = slots_left
+        if questions:
+            self.rounds += 1
+            self.questions += questions
+        return questions
+
+    @property
+    def filled(self) -> int:
+        return self.slots - max(self.slots_left, 0)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "alloc/rounds": float(self.rounds),
+            "alloc/questions": float(self.questions),
+            "alloc/slots_filled_frac": self.filled / self.slots if self.slots else 0.0,
+        }
+
+
 @register("allocator", "static", config=StaticConfig)
 class StaticAllocator:
     """Draw B = slots / G questions per step; optionally refill slots that group filtering emptied."""
@@ -23,31 +76,28 @@ class StaticAllocator:
         if cfg.max_rounds < 1:
             raise UserError(f"allocator.max_rounds must be >= 1, got {cfg.max_rounds}.")
         self.cfg = cfg
-        self._rounds = 0
+        self.step = StepLedger()
 
     def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int) -> int:
+        check_layout(slots, group_size, world_size, self.cfg.max_rounds)
         questions = slots // group_size
         if questions * group_size != slots or questions % world_size:
             raise UserError(
                 f"static allocator: {slots} slots are not a whole number of groups of {group_size} "
                 f"split evenly over {world_size} rank(s)."
             )
-        self._rounds = 1
-        return questions
+        return self.step.start(slots, questions)
 
     def next_round(self, slots_left: int, rounds_done: int, group_size: int, kept_per_group: float | None,
                    world_size: int) -> int:
-        if rounds_done >= self.cfg.max_rounds or slots_left <= 0:
-            return 0
-        self._rounds = rounds_done + 1
-        questions = math.ceil(slots_left / group_size)
-        return math.ceil(questions / world_size) * world_size
+        more = rounds_done < self.cfg.max_rounds and slots_left > 0
+        return self.step.add(slots_left, whole_ranks(math.ceil(slots_left / group_size), world_size) if more else 0)
 
     def metrics(self) -> dict[str, float]:
-        return {"alloc/rounds": float(self._rounds)}
+        return self.step.metrics()
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {}  # nothing carries over from one step to the next
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass

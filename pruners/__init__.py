@@ -1,3 +1,3 @@
 """CPPO completion pruners (`pruner=`): which completions get a log-prob forward pass."""
 
-from gpo.pruners import none  # noqa: F401
+from gpo.pruners import none, random, threshold, topk  # noqa: F401

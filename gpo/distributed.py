@@ -1,0 +1,119 @@
+"""Multi-rank helpers on torch.distributed (gloo or NCCL); each is a no-op when no process group is running.
+
+The engine's layout (DESIGN.md): every rank generates its share of a step's questions, `all_gather_batch` gives
+every rank the same full batch, pruners decide on it identically everywhere, and `shard` splits the kept rows
+evenly, so every rank trains on the same number of rows and `group`/`global` pruning ignores the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gpo.errors import UserError
+from gpo.types import RolloutBatch
+
+
+def world() -> tuple[int, int]:
+    """(rank, world_size); (0, 1) without an initialised process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(x: Tensor | float | int) -> Tensor | float | int:
+    """The sum of x over ranks (a new tensor, or a number of x's type)."""
+    _, world_size = world()
+    if world_size == 1:
+        return x.clone() if isinstance(x, Tensor) else x
+    t = x.clone() if isinstance(x, Tensor) else torch.tensor(x, dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    if isinstance(x, Tensor):
+        return t
+    return type(x)(t.item())
+
+
+def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
+    """Every rank's batch, concatenated in rank order, on every rank.
+
+    Widths are padded to the widest rank (prompts on the left, completions on the right), group ids are offset so
+    each question stays distinct, and `owner_rank` is set to the rank that generated the row.
+    """
+    rank, world_size = world()
+    if world_size == 1:
+        return dataclasses.replace(batch, owner_rank=torch.zeros(len(batch), dtype=torch.long))
+    device = batch.completion_ids.device
+    # Row counts and widths may differ between ranks: share them, then pad every tensor to the largest.
+    shape = torch.tensor([len(batch), batch.prompt_ids.shape[1], batch.completion_ids.shape[1]], device=device)
+    shapes = _gather(shape)  # [world, 3]
+    rows, widths = shapes[:, 0].tolist(), {"prompt": int(shapes[:, 1].max()), "completion": int(shapes[:, 2].max())}
+
+    def gather_field(x: Tensor | None, left: bool, pad: float) -> list[Tensor] | None:
+        if x is None:
+            return None
+        if x.dtype == torch.bool:  # gloo has no bool all_gather; travel as uint8
+            return [p.bool() for p in gather_field(x.to(torch.uint8), left, pad)]
+        if x.dim() == 2:
+            width = widths["prompt" if left else "completion"]
+            extra = width - x.shape[1]
+            x = torch.nn.functional.pad(x, (extra, 0) if left else (0, extra), value=pad)
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, max(rows) - len(x)))  # pad rows at the end
+        return [part[:n] for part, n in zip(_gather(x), rows)]
+
+    parts: dict[str, list[Tensor] | None] = {}
+    for f in dataclasses.fields(RolloutBatch):
+        if f.name == "reward_components":
+            continue
+        value = getattr(batch, f.name)
+        if f.name in ("old_logprobs", "ref_logprobs"):
+            _require_same_presence(value is not None, f.name)
+        parts[f.name] = gather_field(value, left=f.name.startswith("prompt"),
+                                     pad=pad_token_id if f.name.endswith("_ids") else 0)
+    components = {name: gather_field(batch.reward_components[name], False, 0)
+                  for name in sorted(batch.reward_components)}
+    per_rank = [
+        RolloutBatch(
+            **{name: (None if p is None else p[r]) for name, p in parts.items()},
+            reward_components={name: c[r] for name, c in components.items()},
+        )
+        for r in range(world_size)
+    ]
+    for r, b in enumerate(per_rank):
+        b.owner_rank = torch.full((len(b),), r, dtype=torch.long, device=device)  # [N_r]
+    return RolloutBatch.concat(per_rank, pad_token_id=pad_token_id)
+
+
+def shard(kept: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
+    """This rank's contiguous, equal share of the kept rows (rows stay in order; padding re-trimmed)."""
+    n = len(kept)
+    if n % world_size:
+        raise UserError(
+            f"{n} kept completions cannot be split evenly over {world_size} ranks. With pruner=topk the kept count "
+            f"is k x questions: make the questions per step (allocator) a multiple of {world_size}, or pick "
+            f"pruner.keep / pruner.rate so k x questions divides evenly; pruner=threshold keeps a varying count, "
+            f"so use it on one rank or switch to topk."
+        )
+    share = n // world_size
+    return kept.select(torch.arange(rank * share, (rank + 1) * share, device=kept.completion_ids.device))
+
+
+def _gather(x: Tensor) -> list[Tensor]:
+    out = [torch.empty_like(x) for _ in range(world()[1])]
+    dist.all_gather(out, x.contiguous())
+    return out
+
+
+def _require_same_presence(present: bool, name: str) -> None:
+    """All ranks must agree whether an optional field exists, or the collectives would deadlock."""
+    flags = _gather(torch.tensor([int(present)], device=_device()))
+    if len({int(f) for f in flags}) > 1:
+        raise UserError(f"all_gather_batch: `{name}` is set on some ranks and not on others.")
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,56 @@
+"""`threshold`: the CPPO paper's threshold rule (arXiv 2503.22342, the predefined threshold gamma).
+
+Relative to GRPO: completions whose |advantage| is below gamma get no forward pass at all; advantages of the kept
+rows are unchanged. The paper's released code only has top-k; this is the rule as the paper states it. The kept
+count varies from step to step, so the allocator cannot know it up front (it refills instead), and the optional
+`min_keep_per_group` floor keeps each question's largest-|A| rows so no group vanishes entirely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gpo.errors import UserError
+from gpo.pruners.topk import group_index, keep_top, row_keys
+from gpo.registry import register
+from gpo.types import RolloutBatch
+
+
+@dataclass
+class ThresholdConfig:
+    gamma: float = 0.5  # drop completions with |A| < gamma
+    min_keep_per_group: int = 0  # floor: keep at least this many largest-|A| rows of every group
+    seed: int = 0  # tie-break key for the floor among equal |A|
+
+
+@register("pruner", "threshold", config=ThresholdConfig)
+class ThresholdPruner:
+    """Drop completions with |advantage| below gamma, keeping an optional floor per group."""
+
+    def __init__(self, cfg: ThresholdConfig) -> None:
+        if cfg.gamma < 0:
+            raise UserError(f"pruner.gamma must be >= 0 (it bounds |A|), got {cfg.gamma}.")
+        if cfg.min_keep_per_group < 0:
+            raise UserError(f"pruner.min_keep_per_group must be >= 0, got {cfg.min_keep_per_group}.")
+        self.cfg = cfg
+
+    def keep(self, batch: RolloutBatch) -> Tensor:
+        score = batch.advantages.abs().float().cpu()  # [N]
+        above = score >= self.cfg.gamma  # [N]
+        if self.cfg.min_keep_per_group == 0:
+            return above
+        group, sizes = group_index(batch)
+        if len(sizes) and int(sizes.min()) < self.cfg.min_keep_per_group:
+            raise UserError(
+                f"pruner.min_keep_per_group={self.cfg.min_keep_per_group} exceeds the group size "
+                f"{int(sizes.min())}; lower it."
+            )
+        floor = torch.full_like(sizes, self.cfg.min_keep_per_group)  # [groups]
+        return above | keep_top(score, row_keys(batch, self.cfg.seed), group, floor)
+
+    def expected_kept_per_group(self, group_size: int) -> float | None:
+        # Depends on the rewards of each step; gamma=0 keeps everything.
+        return float(group_size) if self.cfg.gamma == 0 else None

@@ -175,6 +175,12 @@ class Objective(Protocol):
     def advantages(self, rewards: Tensor) -> Tensor:
         """[B, G] -> [B, G]."""
 
+    def loss_mask(self, batch: RolloutBatch) -> Tensor:
+        """[N, L]: tokens that count in the loss (completion_mask, minus rows the objective masks, e.g. truncated).
+
+        The engine computes `StepTotals` from it and passes `loss` the same rows.
+        """
+
     def loss(self, logp: Tensor, batch: RolloutBatch, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
         """This micro-batch's share of the step loss (the engine sums the shares) and detached metrics."""
 
@@ -236,4 +242,10 @@ class Tracker(Protocol):
 
     def log_artifact(self, path: str) -> None: ...
 
+    def log_summary(self, metrics: dict[str, Any]) -> None:
+        """Final results of the run (e.g. final accuracy, path of the saved model)."""
+
     def end(self, status: str = "FINISHED") -> None: ...
+
+    def location(self) -> str:
+        """A human line: where the run is logged and how to open it."""

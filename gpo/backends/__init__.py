@@ -1,1 +1,3 @@
 """Generation backends (`backend=`): `hf` (transformers generate) and `vllm` (colocated vLLM)."""
+
+from gpo.backends import hf  # noqa: F401

@@ -1,0 +1,66 @@
+"""From questions to a RolloutBatch: chat-template the prompts, generate G completions each, build masks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gpo.types import Backend, Messages, RolloutBatch, Sampling
+
+
+def encode_prompts(tokenizer: Any, conversations: list[Messages], max_prompt_length: int) -> list[list[int]]:
+    """Token ids of each conversation with the generation prompt; over-long prompts keep their last tokens."""
+    encoded = []
+    for messages in conversations:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        encoded.append(list(ids[-max_prompt_length:]))
+    return encoded
+
+
+def completion_mask(completions: Tensor, eos_token_id: int, lengths: Tensor) -> Tensor:
+    """1 on tokens up to and including the first EOS; rows without EOS keep every generated token."""
+    L = completions.shape[1]
+    is_eos = completions == eos_token_id  # [N, L]
+    first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full_like(lengths, L))
+    end = torch.minimum(first_eos + 1, lengths)  # [N]
+    return (torch.arange(L).unsqueeze(0) < end.unsqueeze(1)).long()  # [N, L]
+
+
+def pad(rows: list[list[int]], value: int, left: bool) -> tuple[Tensor, Tensor]:
+    width = max((len(r) for r in rows), default=0) or 1
+    ids = torch.full((len(rows), width), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            sl = slice(width - len(r), width) if left else slice(0, len(r))
+            ids[i, sl] = torch.tensor(r, dtype=torch.long)
+            mask[i, sl] = 1
+    return ids, mask
+
+
+def generate(backend: Backend, prompts: list[list[int]], n: int, sampling: Sampling, seed: int,
+             eos_token_id: int, pad_token_id: int, rank: int = 0) -> RolloutBatch:
+    """G = n completions per prompt as a batch with zero rewards/advantages (filled in by the engine)."""
+    completions = backend.generate(prompts, n, sampling, seed)  # N lists of token ids, prompt-major
+    repeated = [p for p in prompts for _ in range(n)]
+    prompt_ids, prompt_mask = pad(repeated, pad_token_id, left=True)  # [N, Lp]
+    completion_ids, generated = pad(completions, pad_token_id, left=False)  # [N, L]
+    lengths = generated.sum(dim=1)
+    mask = completion_mask(completion_ids, eos_token_id, lengths)  # [N, L]
+    has_eos = ((completion_ids == eos_token_id) & (generated > 0)).any(dim=1)
+    N = len(completions)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        group_ids=torch.arange(len(prompts)).repeat_interleave(n),  # [N]
+        rewards=torch.zeros(N),
+        advantages=torch.zeros(N),
+        truncated=~has_eos,
+        owner_rank=torch.full((N,), rank, dtype=torch.long),
+    ).trimmed()

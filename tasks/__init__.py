@@ -1,1 +1,6 @@
-"""Tasks (`task=`): data, prompts, verifiable rewards and grading for one benchmark each."""
+"""Tasks (`task=`): data, prompts, verifiable rewards and grading for one benchmark each.
+
+Importing this package registers every built-in task.
+"""
+
+from gpo.tasks import arith, gsm8k, math  # noqa: F401  (registers the tasks)

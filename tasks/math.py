@@ -1,0 +1,310 @@
+"""`math`: competition mathematics (MATH, Hendrycks et al. 2021, arXiv 2103.03874), as CPPO trains on it.
+
+Rewards follow the CPPO paper's open-r1 MATH recipe (arXiv 2503.22342; reference section 3): an R1-style format
+reward (1) plus accuracy (2 when math-verify judges the answer equal to the gold), weighted 1:1. Changed relative
+to the reference (its sections 3 and 8): the gold comes from the explicit `answer` column instead of being parsed
+out of worked solutions; the prediction is the last `\\boxed{}` (inside the `<answer>` tag when there is one)
+instead of anything in the completion; `verify(gold, prediction)` is called in math-verify's documented order
+(the reference reversed it in training); and an unparseable gold is counted, not rewarded with a constant.
+
+Verification runs in a small pool of worker processes. math-verify bounds its work with `signal.alarm`, which
+only works in a main thread, and logs the whole input on a timeout: a pathological completion (deeply nested
+LaTeX, a huge exponent, 100 KB of braces) could otherwise stall or flood a training run. Each worker bounds
+each item's time itself; a worker that overruns anyway (stuck in C code, where signals wait) is killed and
+replaced by the parent. Either way the item scores 0 and counts in `verify_timeouts`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from gpo.errors import UserError
+from gpo.registry import register
+from gpo.tasks.answers import answer_tag, last_boxed, r1_formatted
+from gpo.tasks.data import DataSource, SplitCache, check_options, read_rows, resolve
+from gpo.types import Example, Grade, Messages, Rewards
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant that solves competition mathematics problems. First reason step by step "
+    "inside <think> </think> tags, then write the final answer inside <answer> </answer> tags as "
+    "\\boxed{...} in LaTeX, and write nothing after the answer. "
+    "Layout: <think> your reasoning </think>\n<answer> \\boxed{\\frac{1}{2}} </answer>"
+)
+CORRECT = 2.0  # the paper's accuracy value
+GRACE_S = 1.0  # the parent kills a worker this long after the worker's own limit should have stopped it
+STARTUP_S = 300.0  # a worker that cannot import math-verify in this time is a broken installation
+
+# Statuses a verification comes back with; every one but "ok" scores 0.
+OK, TIMEOUT, ERROR, GOLD_UNPARSED = "ok", "timeout", "error", "gold_unparsed"
+Verdict = tuple[str, bool]  # (status, correct)
+
+
+@dataclass
+class MathConfig:
+    train: DataSource = field(default_factory=lambda: DataSource("DigitalLearningGmbH/MATH-lighteval", None, "train"))
+    test: DataSource = field(default_factory=lambda: DataSource("HuggingFaceH4/MATH-500", None, "test"))
+    data_dir: str | None = None  # a local copy laid out like ../shared/data (math/test500.jsonl); wins when set
+    validation_size: int = 256  # rows carved from train for checkpoint selection
+    split_seed: int = 0
+    bad_rows: str = "error"  # error | skip: what a row without a usable question or answer does
+    format_weight: float = 1.0
+    accuracy_weight: float = 1.0
+    verify_timeout_s: float = 5.0  # wall-time bound for verifying one completion (math-verify's default)
+    workers: int = 0  # verification processes; 0 = the cores this process may use
+    system_prompt: str = SYSTEM_PROMPT
+
+
+def gold_answer(row: Example) -> str:
+    """The `answer` column; Hub MATH train (MATH-lighteval) has none, so the last \\boxed{} of `solution`."""
+    answer = row.get("answer")
+    if isinstance(answer, str) and answer.strip():
+        return answer.strip()
+    return last_boxed(str(row.get("solution") or "")) or ""
+
+
+def predicted_answer(completion: str) -> str | None:
+    """The last \\boxed{} inside the `<answer>` tag, else the tag's content, else the completion's last \\boxed{}."""
+    tag = answer_tag(completion)
+    if tag is not None:
+        return last_boxed(tag) or tag or None
+    return last_boxed(completion)
+
+
+@register("task", "math", config=MathConfig)
+class Math:
+    """MATH problems: R1 format reward + math-verify accuracy, verified in time-bounded worker processes."""
+
+    LOCAL_FILES = {"train": "math/train.jsonl", "test": "math/test500.jsonl"}
+
+    def __init__(self, cfg: MathConfig) -> None:
+        if cfg.verify_timeout_s <= 0:
+            raise UserError(f"task.verify_timeout_s must be > 0, got {cfg.verify_timeout_s}.")
+        if cfg.workers < 0:
+            raise UserError(f"task.workers must be >= 0 (0 = one per available core), got {cfg.workers}.")
+        check_options(cfg.validation_size, cfg.bad_rows)
+        self.cfg = cfg
+        self._splits = SplitCache(self._read, cfg.validation_size, cfg.split_seed)
+        self._pool: VerifierPool | None = None  # started on the first reward, then reused
+
+    def _read(self, split: str) -> list[Example]:
+        source = resolve(getattr(self.cfg, split), self.cfg.data_dir, self.LOCAL_FILES[split])
+        return read_rows(source, required=("problem",), gold=gold_answer, bad_rows=self.cfg.bad_rows)
+
+    def load(self, split: str) -> Sequence[Example]:
+        return self._splits.get(split)
+
+    def prompt(self, example: Example) -> Messages:
+        return [{"role": "system", "content": self.cfg.system_prompt}, {"role": "user", "content": example["problem"]}]
+
+    def reward(self, completions: list[str], examples: list[Example]) -> Rewards:
+        fmt = [float(r1_formatted(c)) for c in completions]
+        verdicts = self._judge(completions, examples)
+        acc = [CORRECT if correct else 0.0 for _, correct in verdicts]
+        total = [self.cfg.format_weight * f + self.cfg.accuracy_weight * a for f, a in zip(fmt, acc)]
+        statuses = [status for status, _ in verdicts]
+        metrics = {"verify_timeouts": float(statuses.count(TIMEOUT)), "verify_errors": float(statuses.count(ERROR)),
+                   "gold_unparsed": float(statuses.count(GOLD_UNPARSED))}
+        return Rewards(total=total, components={"format": fmt, "accuracy": acc}, metrics=metrics)
+
+    def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]:
+        verdicts = self._judge(completions, examples)
+        return [
+            Grade(extracted=predicted_answer(c), gold=ex["gold"], correct=correct, formatted=r1_formatted(c))
+            for c, ex, (_, correct) in zip(completions, examples, verdicts, strict=True)
+        ]
+
+    def close(self) -> None:
+        """Stop the verification workers (they also stop with this process)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def _judge(self, completions: list[str], examples: list[Example]) -> list[Verdict]:
+        if len(completions) != len(examples):
+            raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
+        predictions = [predicted_answer(c) for c in completions]
+        todo = [i for i, p in enumerate(predictions) if p is not None]
+        verdicts: list[Verdict] = [(OK, False)] * len(completions)  # no answer: nothing to verify, 0
+        if todo:
+            if self._pool is None:
+                self._pool = VerifierPool(self.cfg.workers or available_cores(), self.cfg.verify_timeout_s)
+            results = self._pool.run([(examples[i]["gold"], predictions[i]) for i in todo])
+            for i, verdict in zip(todo, results):
+                verdicts[i] = verdict
+        return verdicts
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# --- the worker processes ---------------------------------------------------------------------------------------
+
+
+class VerifierPool:
+    """`size` processes that each verify one (gold, prediction) pair at a time within `limit_s` seconds.
+
+    Workers come from a fork server that has imported math-verify once, so replacing a killed worker is a
+    cheap fork rather than a fresh interpreter (and never a fork of a parent that holds model threads).
+    """
+
+    def __init__(self, size: int, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["math_verify", __name__])
+        self._workers = [_Worker(self._ctx, limit_s) for _ in range(max(1, size))]
+
+    def run(self, jobs: list[tuple[str, str]]) -> list[Verdict]:
+        results: list[Verdict | None] = [None] * len(jobs)
+        queue = deque(range(len(jobs)))
+        started = time.monotonic()
+        while queue or any(w.job is not None for w in self._workers):
+            for w in self._workers:
+                if w.ready and w.job is None and queue:
+                    w.assign(queue.popleft(), jobs, self.limit_s + GRACE_S)
+            busy = [w.deadline for w in self._workers if w.job is not None]
+            if not busy and time.monotonic() - started > STARTUP_S:
+                raise RuntimeError(f"no math-verify worker started within {STARTUP_S:.0f} s")
+            timeout = max(0.0, min(busy) - time.monotonic()) if busy else 1.0
+            for conn in wait([w.conn for w in self._workers], timeout=timeout):
+                slot = next(i for i, w in enumerate(self._workers) if w.conn is conn)
+                self._receive(slot, results)
+            now = time.monotonic()
+            for slot, w in enumerate(self._workers):
+                if w.job is not None and now > w.deadline:
+                    results[w.job] = (TIMEOUT, False)
+                    self._replace(slot)
+        return [r if r is not None else (ERROR, False) for r in results]
+
+    def _receive(self, slot: int, results: list[Verdict | None]) -> None:
+        w = self._workers[slot]
+        try:
+            message = w.conn.recv()
+        except (EOFError, OSError):  # the worker died (e.g. out of memory on a huge expression)
+            if w.job is not None:
+                results[w.job] = (ERROR, False)
+            self._replace(slot)
+            return
+        if message == "ready":
+            w.ready = True
+        elif w.job is not None:
+            results[w.job] = message
+            w.job = None
+
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].stop(kill=True)
+        self._workers[slot] = _Worker(self._ctx, self.limit_s)
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.stop(kill=False)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _Worker:
+    """One verification process and the parent's view of it."""
+
+    def __init__(self, ctx: Any, limit_s: float) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, limit_s), daemon=True, name="gpo-math-verify")
+        self.process.start()
+        child.close()
+        self.ready = False  # set when the worker has imported math-verify
+        self.job: int | None = None
+        self.deadline = float("inf")
+
+    def assign(self, index: int, jobs: list[tuple[str, str]], allowed_s: float) -> None:
+        self.conn.send(jobs[index])
+        self.job, self.deadline = index, time.monotonic() + allowed_s
+
+    def stop(self, kill: bool) -> None:
+        if self.process.is_alive():
+            if kill:
+                self.process.kill()
+            else:
+                try:
+                    self.conn.send(None)
+                except OSError:
+                    pass
+            self.process.join(timeout=1.0)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self.conn.close()
+
+
+class _ItemTimeout(BaseException):
+    """Raised by the worker's alarm; a BaseException so math-verify's `except Exception` cannot swallow it."""
+
+
+def _serve(conn: Connection, limit_s: float) -> None:
+    """Worker main loop: verify pairs until told to stop (None) or the parent goes away."""
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # it logs the whole input on a timeout
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    import math_verify  # noqa: F401  (import before "ready", so the deadline covers only verification)
+
+    conn.send("ready")
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        conn.send(_bounded(*job, limit_s=limit_s))
+
+
+def _bounded(gold: str, prediction: str, limit_s: float) -> Verdict:
+    """`verify_pair` under a wall-time alarm that covers parsing both sides and comparing them."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _ItemTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    try:
+        return verify_pair(gold, prediction)
+    except _ItemTimeout:
+        return (TIMEOUT, False)
+    except Exception:
+        return (ERROR, False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def verify_pair(gold: str, prediction: str) -> Verdict:
+    """math-verify's judgement of `prediction` against `gold`, both LaTeX answers without `$` delimiters.
+
+    Runs without math-verify's own signal timeouts: the caller bounds the whole item (see `_bounded`).
+    """
+    from math_verify import verify
+
+    gold_parsed = _parse(gold)
+    if not gold_parsed:
+        return (GOLD_UNPARSED, False)
+    predicted = _parse(prediction)
+    return (OK, bool(predicted) and verify(gold_parsed, predicted, timeout_seconds=None, raise_on_error=False))
+
+
+def _parse(answer: str) -> list[Any]:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    # An answer already extracted from \boxed{} has no delimiters; re-box it so the LaTeX extractor anchors on it.
+    text = answer if ("$" in answer or "\\boxed" in answer) else f"\\boxed{{{answer}}}"
+    return parse(text, extraction_config=config, parsing_timeout=None, raise_on_error=False)

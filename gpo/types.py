@@ -43,6 +43,16 @@ class RolloutBatch:
     def lengths(self) -> Tensor:
         return self.completion_mask.sum(dim=1)  # [N]
 
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        def move(x: Any) -> Any:
+            if isinstance(x, Tensor):
+                return x.to(device)
+            if isinstance(x, dict):
+                return {k: v.to(device) for k, v in x.items()}
+            return x
+
+        return RolloutBatch(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
     def select(self, keep: Tensor) -> RolloutBatch:
         """The rows where `keep` is true (order preserved), with padding re-trimmed to the kept rows' maximum."""
         rows = keep.nonzero(as_tuple=True)[0] if keep.dtype == torch.bool else keep

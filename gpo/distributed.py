@@ -48,7 +48,7 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
     device = batch.completion_ids.device
     # Row counts and widths may differ between ranks: share them, then pad every tensor to the largest.
     shape = torch.tensor([len(batch), batch.prompt_ids.shape[1], batch.completion_ids.shape[1]], device=device)
-    shapes = _gather(shape)  # [world, 3]
+    shapes = torch.stack(_gather(shape)).cpu()  # [world, 3]
     rows, widths = shapes[:, 0].tolist(), {"prompt": int(shapes[:, 1].max()), "completion": int(shapes[:, 2].max())}
 
     def gather_field(x: Tensor | None, left: bool, pad: float) -> list[Tensor] | None:

@@ -18,9 +18,9 @@ from gpo.types import RolloutBatch
 registry.load_builtins()
 
 
-def make_batch(advantages, group_size, owner_rank=None, tokens=None, pad=0, first_group=0):
+def make_batch(advantages, group_size, owner_rank=None, tokens=None, pad=0, first_group=0, first_prompt=7):
     """N = len(advantages) rows in groups of `group_size`; row i's completion is [tokens[i]] (default 100 + i),
-    followed by `pad` extra padding columns."""
+    followed by `pad` extra padding columns; question q's prompt is the one token first_prompt + q."""
     adv = torch.tensor(advantages, dtype=torch.float32)  # [N]
     n = len(adv)
     tokens = list(range(100, 100 + n)) if tokens is None else tokens
@@ -30,7 +30,7 @@ def make_batch(advantages, group_size, owner_rank=None, tokens=None, pad=0, firs
     completion_mask[:, 0] = 1
     question = torch.arange(n) // group_size  # [N]
     return RolloutBatch(
-        prompt_ids=(question + 7).reshape(n, 1),  # [N, 1]: one prompt token per question
+        prompt_ids=(question + first_prompt).reshape(n, 1),  # [N, 1]
         prompt_mask=torch.ones(n, 1, dtype=torch.long),  # [N, 1]
         completion_ids=completion_ids,
         completion_mask=completion_mask,

@@ -178,6 +178,11 @@ def validate(cfg: DictConfig) -> DictConfig:
     out = OmegaConf.create(OmegaConf.to_container(_check(OmegaConf.create(plain), RunSchema, "")))
     for kind in COMPONENT_GROUPS:
         node = cfg.get(kind)
+        if node is not None and not isinstance(node, DictConfig):
+            raise UserError(
+                f"`{kind}` must be a section with a `name`, got {_plain(node)!r}; pick a component with "
+                f"`{kind}=NAME` (choices: {', '.join(choices(kind))})."
+            )
         if node is None or "name" not in node:
             raise UserError(f"`{kind}` is missing: pick one with `{kind}=NAME` (choices: {', '.join(choices(kind))}).")
         entry = registry.get(kind, str(node.name))
@@ -222,11 +227,13 @@ def _check(node: DictConfig, schema: type, path: str) -> DictConfig:
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
     except (oc_errors.ValidationError, oc_errors.ConfigKeyError, oc_errors.ConfigTypeError) as exc:
-        key = _join(path, str(exc.full_key)) if getattr(exc, "full_key", None) else path
-        expected = _field_type(schema, str(getattr(exc, "full_key", "") or ""))
-        raise UserError(
-            f"`{key}`: {exc.msg}" + (f" (expected {expected})" if expected else "") + "."
-        ) from None
+        sub = str(getattr(exc, "full_key", "") or "")  # relative to `node`
+        value = _plain(OmegaConf.select(node, sub)) if sub else None
+        expected = _field_type(schema, sub)
+        # OmegaConf's message carries its own multi-line context; its first line is the useful part.
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        detail = f"expected {expected}, got {value!r}" if expected else reason
+        raise UserError(f"`{_join(path, sub)}` has the wrong type: {detail}.") from None
     return merged
 
 
@@ -240,7 +247,13 @@ def _check_keys(node: Any, schema: type, path: str) -> None:
             valid = [_join(path, f) for f in fields]
             raise UserError(f"unknown key `{full}`." + did_you_mean(full, valid) + _valid_keys_hint(valid))
         sub_schema = _dataclass_of(fields[key])
-        if sub_schema is not None:
+        if sub_schema is not None and node[key] is not None:
+            if not isinstance(node[key], DictConfig):
+                sub_keys = [_join(full, f.name) for f in dataclasses.fields(sub_schema)]
+                raise UserError(
+                    f"`{full}` is a section, not a value (got {_plain(node[key])!r}); set its keys instead, "
+                    f"e.g. `{sub_keys[0]}=...`." + _valid_keys_hint(sub_keys)
+                )
             _check_keys(node[key], sub_schema, full)
 
 
@@ -266,6 +279,10 @@ def _field_type(schema: type, dotted: str) -> str:
     return ""
 
 
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
 def _valid_keys_hint(valid: Any) -> str:
     return f" Valid keys: {', '.join(sorted(valid))}."
 
@@ -286,7 +303,8 @@ def _group_file(group: str, name: str) -> Path:
     path = CONFIG_ROOT / group / f"{name}.yaml"
     if not path.is_file():
         raise UserError(
-            f"unknown {group} `{name}`. Valid choices: {', '.join(choices(group))}." + did_you_mean(name, choices(group))
+            f"unknown {group} `{name}`. Valid choices: {', '.join(choices(group)) or '(none)'}."
+            + did_you_mean(name, choices(group))
         )
     return path
 

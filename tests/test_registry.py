@@ -12,7 +12,7 @@ from gpo import registry
 from gpo.errors import UserError, did_you_mean
 from gpo.registry import register
 
-from conftest import make_plugin
+from kit import fresh_registry, make_plugin  # noqa: F401  (fresh_registry is a fixture)
 
 pytestmark = pytest.mark.usefixtures("fresh_registry")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import random
 import warnings
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from gpo.types import Example
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 SPLITS = ("train", "validation", "test")
+DATA_DIR_ENV = "GPO_DATA_DIR"
 
 
 @dataclass
@@ -48,7 +50,12 @@ def as_source(value: DataSource | dict[str, Any]) -> DataSource:
 
 
 def resolve(source: DataSource | dict[str, Any], data_dir: str | None, local_file: str) -> DataSource:
-    """`data_dir` (a local copy laid out like ../shared/data: gsm8k/test.jsonl, ...) wins over `source`."""
+    """`data_dir` (a local copy laid out like ../shared/data: gsm8k/test.jsonl, ...) wins over `source`.
+
+    Without one, the environment variable `GPO_DATA_DIR` serves the same purpose for every task at once
+    (machines without Hub access set it once instead of passing `task.data_dir=` to each run).
+    """
+    data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
     return DataSource(str(Path(data_dir).expanduser() / local_file)) if data_dir else as_source(source)
 
 
@@ -150,7 +157,7 @@ def _read_hub(source: DataSource) -> list[Example]:
     except Exception as exc:
         raise UserError(
             f"cannot load Hub dataset `{source.path}` (config {source.name!r}, split {source.split!r}): {exc}. "
-            "Offline? Point the task at local files, e.g. `task.data_dir=../shared/data`."
+            f"Offline? Point the task at local files: `task.data_dir=../shared/data` or {DATA_DIR_ENV}=DIR."
         ) from exc
     return [dict(row) for row in dataset]
 

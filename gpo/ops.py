@@ -219,8 +219,9 @@ class PolicyLoss:
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """logp [n, L] of the current policy on the micro-batch's rows -> (loss share, metric shares).
 
-        Metrics are detached 0-dim tensors. Summed over micro-batches they give the step value, except
-        `ratio/min` and `ratio/max`, which are reduced with min/max (+inf / -inf when no token counts).
+        Metrics are detached 0-dim tensors. Summed over micro-batches they give the step value, except names
+        ending in `_min` / `_max` (the smallest and largest token ratio), which the engine reduces with min / max;
+        they are +inf / -inf when no token counts, the identities of those reductions.
         """
         m = mask.bool()  # [n, L]
         # Padding may hold anything (even -inf); zero it so no NaN reaches the loss or its gradient.
@@ -235,8 +236,8 @@ class PolicyLoss:
             "clip/low_frac": (surrogate.low_clipped & m).sum() / tokens,
             "clip/high_frac": (surrogate.high_clipped & m).sum() / tokens,
             "ratio/mean": torch.where(m, surrogate.ratio, 0.0).sum() / tokens,
-            "ratio/min": surrogate.ratio[m].min() if m.any() else logp.new_tensor(math.inf),
-            "ratio/max": surrogate.ratio[m].max() if m.any() else logp.new_tensor(-math.inf),
+            "ratio/token_min": surrogate.ratio[m].min() if m.any() else logp.new_tensor(math.inf),
+            "ratio/token_max": surrogate.ratio[m].max() if m.any() else logp.new_tensor(-math.inf),
             "loss/policy": policy,
         }
         if self.dual_clip is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import Tensor
@@ -26,14 +27,19 @@ from gpo.errors import UserError
 from gpo.registry import register
 from gpo.types import RolloutBatch
 
-SCOPES = ("group", "rank", "global")
+# The rows one top-k competes over; an Enum so the config composer rejects a misspelt scope before any run.
+#   group:  k per question (the paper's description)
+#   rank:   k x (questions of that rank) over the rows each rank generated (the CPPO open-r1 code)
+#   global: k x (all questions) over the whole step (the CPPO verl code)
+Scope = Enum("Scope", {"group": "group", "rank": "rank", "global": "global"}, type=str)  # `global` is a keyword
+SCOPES = tuple(s.value for s in Scope)
 
 
 @dataclass
 class TopKConfig:
     rate: float | None = 0.75  # P, the fraction pruned per group: k = G - round(G*P) kept
     keep: int | None = None  # k kept per group; when set it replaces `rate`
-    scope: str = "group"  # group: k per question | rank: k*questions per owner rank | global: k*questions overall
+    scope: Scope = Scope["group"]  # group | rank | global, see Scope
     seed: int = 0  # tie-break key; combined with each row's tokens so it changes from step to step
 
 
@@ -110,14 +116,14 @@ def group_index(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
 class Quota:
     """How many rows each segment keeps, for a per-group k and a scope; shared by topk and random."""
 
-    def __init__(self, rate: float | None, keep: int | None, scope: str) -> None:
+    def __init__(self, rate: float | None, keep: int | None, scope: Scope | str) -> None:
         if scope not in SCOPES:
             raise UserError(f"pruner.scope must be one of {', '.join(SCOPES)}, got `{scope}`.")
         if keep is not None and keep < 1:
             raise UserError(f"pruner.keep must be >= 1 completion per group, got {keep}.")
         if keep is None:
             kept_per_group(1 << 20, rate=rate)  # checks that rate is set and in [0, 1) before the first batch
-        self.rate, self.keep, self.scope = rate, keep, scope
+        self.rate, self.keep, self.scope = rate, keep, Scope(scope)
 
     def per_group(self, group_size: int) -> int:
         return kept_per_group(group_size, rate=self.rate, keep=self.keep)
@@ -126,9 +132,9 @@ class Quota:
         """(segment [N], quota [S]) for this batch's scope."""
         group, sizes = group_index(batch)
         k = torch.tensor([self.per_group(int(s)) for s in sizes], dtype=torch.long)  # [groups]
-        if self.scope == "group":
+        if self.scope is Scope["group"]:
             return group, k
-        if self.scope == "global":
+        if self.scope is Scope["global"]:
             return torch.zeros(len(batch), dtype=torch.long), k.sum().reshape(1)
         # rank: a group belongs to the rank that generated it; that rank keeps the sum of its groups' k
         first_row = torch.searchsorted(group, torch.arange(len(sizes)))  # [groups]

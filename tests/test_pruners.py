@@ -281,3 +281,13 @@ def test_decision_ignores_padding_and_group_id_offsets(case, pad, first_group):
     for name in ("topk", "random"):
         pruner = build(name, keep=k, scope=scope, seed=2)
         assert torch.equal(pruner.keep(batch), pruner.keep(shifted))
+
+
+def test_config_composer_checks_pruner_fields():
+    from gpo.config import compose
+
+    cfg = compose(["pruner=topk", "pruner.rate=0.875", "pruner.scope=global", "allocator=dynamic", "tracker=none"])
+    assert (cfg.pruner.rate, cfg.pruner.scope, cfg.allocator.name) == (0.875, "global", "dynamic")
+    assert compose(["pruner=threshold", "pruner.gamma=0.5", "tracker=none"]).pruner.gamma == 0.5
+    with pytest.raises(UserError, match="pruner.scope"):
+        compose(["pruner=topk", "pruner.scope=per_question", "tracker=none"])

@@ -101,9 +101,11 @@ def shard(kept: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
 
 
 def _gather(x: Tensor) -> list[Tensor]:
-    out = [torch.empty_like(x) for _ in range(world()[1])]
-    dist.all_gather(out, x.contiguous())
-    return out
+    """all_gather on the backend's device (NCCL needs CUDA tensors, gloo takes CPU ones), returned on x's device."""
+    moved = x.to(_device()).contiguous()
+    out = [torch.empty_like(moved) for _ in range(world()[1])]
+    dist.all_gather(out, moved)
+    return [o.to(x.device) for o in out]
 
 
 def _require_same_presence(present: bool, name: str) -> None:

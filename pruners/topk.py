@@ -31,7 +31,12 @@ from gpo.types import RolloutBatch
 #   group:  k per question (the paper's description)
 #   rank:   k x (questions of that rank) over the rows each rank generated (the CPPO open-r1 code)
 #   global: k x (all questions) over the whole step (the CPPO verl code)
-Scope = Enum("Scope", {"group": "group", "rank": "rank", "global": "global"}, type=str)  # `global` is a keyword
+class _Choice(str, Enum):
+    def __repr__(self) -> str:  # `gpo list` shows 'group', not <Scope.group: 'group'>
+        return repr(self.value)
+
+
+Scope = _Choice("Scope", {"group": "group", "rank": "rank", "global": "global"})  # functional: `global` is a keyword
 SCOPES = tuple(s.value for s in Scope)
 
 

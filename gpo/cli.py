@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -43,6 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"gpo: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`gpo list | head`): not a failure of gpo. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("gpo: interrupted", file=sys.stderr)
         return 130
@@ -127,11 +133,16 @@ def _list(args: argparse.Namespace) -> int:
     from gpo import registry
     from gpo.config import split_args
 
-    _, overrides = split_args(args.args)
-    plugins = [o.split("=", 1)[1].strip("[]").split(",") for o in overrides if o.startswith("plugins=")]
+    from omegaconf import OmegaConf
+
+    kind, rest = args.kind, list(args.args)
+    if kind and "=" in kind:  # `gpo list plugins=[m]`: argparse took the override for the optional KIND
+        kind, rest = None, [kind, *rest]
+    _, overrides = split_args(rest)
+    plugins = OmegaConf.from_dotlist([o for o in overrides if o.startswith("plugins=")]).get("plugins") or []
     registry.load_builtins()
-    registry.load_plugins([m.strip() for group in plugins for m in group if m.strip()])
-    kinds = [args.kind] if args.kind else list(registry.KINDS)
+    registry.load_plugins([str(m) for m in plugins] if not isinstance(plugins, str) else [plugins])
+    kinds = [kind] if kind else list(registry.KINDS)
     for kind in kinds:
         if kind not in registry.KINDS:
             raise UserError(f"unknown kind `{kind}`; kinds are {', '.join(registry.KINDS)}.")

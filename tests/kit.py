@@ -26,13 +26,28 @@ def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_entries", {kind: {} for kind in registry.KINDS})
 
 
-def run_gpo(*args: str, pythonpath: list[Path] = (), cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_gpo(*args: str, pythonpath: list[Path] = ()) -> subprocess.CompletedProcess:
     """`python -m gpo ARGS` in a subprocess (the real exit code and streams), with extra import paths."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in pythonpath] + [env.get("PYTHONPATH", "")]).strip(os.pathsep)
-    return subprocess.run(
-        [sys.executable, "-m", "gpo", *args], capture_output=True, text=True, env=env, cwd=cwd or REPO, timeout=120
-    )
+    return run_gpo_all({"one": (list(args), pythonpath)})["one"]
+
+
+def run_gpo_all(commands: dict[str, tuple[list[str], list[Path]]]) -> dict[str, subprocess.CompletedProcess]:
+    """Several `gpo` processes at once (each spends seconds importing torch), keyed like `commands`."""
+    procs = {}
+    for key, (args, pythonpath) in commands.items():
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(p) for p in pythonpath] + [env.get("PYTHONPATH", "")]).strip(
+            os.pathsep
+        )
+        procs[key] = (args, subprocess.Popen(
+            [sys.executable, "-m", "gpo", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env, cwd=REPO,
+        ))
+    results = {}
+    for key, (args, proc) in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        results[key] = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+    return results
 
 
 PLUGIN_SOURCE = '''\

@@ -1,0 +1,440 @@
+"""The training engine: one algorithm-blind step, the run loop, evaluation, checkpoints and tracking.
+
+`Engine.step` follows DESIGN.md: rewards, group filter, advantages and pruning all happen before any log-prob
+forward pass, so the old-policy, reference and training passes run only on the kept completions. The engine
+only calls the component interfaces of gpo/types.py; it never names an algorithm, pruner, allocator or task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gpo import checkpoint, registry
+from gpo.config import section, to_object, to_yaml
+from gpo.distributed import all_gather_batch, all_reduce_sum, shard, world
+from gpo.errors import UserError
+from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
+from gpo.models import load_policy, load_tokenizer
+from gpo.ops import advantage_metrics
+from gpo.pruners.metrics import prune_metrics
+from gpo.rollout import encode_prompts, generate
+from gpo.sampler import QuestionStream
+from gpo.tracking import NullTracker
+from gpo.types import RolloutBatch, Sampling, StepTotals
+
+
+class Engine:
+    def __init__(self, cfg: DictConfig) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.cfg = cfg
+        self.train_cfg, self.optim_cfg = section(cfg, "train"), section(cfg, "optim")
+        self.eval_cfg, self.ckpt_cfg = section(cfg, "eval"), section(cfg, "checkpoint")
+        model_cfg, engine_cfg = section(cfg, "model"), section(cfg, "engine")
+        T = self.train_cfg
+        if T.group_size < 2:
+            raise UserError(f"train.group_size must be >= 2 (group-relative advantages), got {T.group_size}.")
+        self.accelerator = Accelerator(mixed_precision=engine_cfg.mixed_precision, cpu=not torch.cuda.is_available())
+        self.rank, self.world_size = world()
+        set_seed(cfg.seed)
+        self.run_name = cfg.run_name or "-".join(
+            [cfg.algo.name, cfg.pruner.name, cfg.allocator.name, cfg.task.name, datetime.now().strftime("%Y%m%d-%H%M%S")]
+        )
+        self.run_dir = Path(cfg.output_dir) / self.run_name
+
+        self.objective = self._build("algo", mu=T.mu, max_completion_length=T.max_completion_length)
+        self.pruner = self._build("pruner")
+        self.allocator = self._build("allocator")
+        self.task = self._build("task")
+        self.tracker = self._build("tracker", run_dir=str(self.run_dir)) if self.rank == 0 else NullTracker()
+
+        self.tokenizer = load_tokenizer(model_cfg)
+        self.policy = load_policy(model_cfg)
+        self.backend = self._build("backend", model=self.policy, tokenizer=self.tokenizer)
+        self.ref = None  # loaded only when the objective uses a KL term
+        if self.objective.needs_ref_logprobs:
+            ref_model = load_policy(model_cfg, trainable=False).to(self.accelerator.device)
+            self.ref = TokenLogprobs(ref_model, T.logprob_chunk_size)
+        self.sampling = Sampling(max_new_tokens=T.max_completion_length, temperature=T.temperature, top_p=T.top_p)
+
+        O = self.optim_cfg
+        optimizer = torch.optim.AdamW(
+            [p for p in self.policy.parameters() if p.requires_grad],
+            lr=O.lr, betas=tuple(O.betas), eps=O.eps, weight_decay=O.weight_decay,
+        )
+        self.module, self.optimizer = self.accelerator.prepare(TokenLogprobs(self.policy, T.logprob_chunk_size), optimizer)
+        self.scheduler = _scheduler(self.optimizer, O.schedule, O.warmup_ratio, total=T.steps * T.mu)
+        self.accelerator.register_for_checkpointing(self.scheduler)
+
+        self.questions = QuestionStream(self.task.load("train"), cfg.seed)
+        self.step_index = 0
+        self.best_score: float | None = None
+        self._task_metrics: dict[str, float] = {}
+
+    # ---------------------------------------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        """One training step (DESIGN.md, stages 1-11)."""
+        T, timer = self.train_cfg, PhaseTimer()
+        slots = T.questions_per_step * T.group_size
+        kept_per_group = self.pruner.expected_kept_per_group(T.group_size)
+        # 1 plan: how many questions this round; 8 refills come back here while slots stay empty
+        questions = self.allocator.first_round(slots, T.group_size, kept_per_group, self.world_size)
+        seen, candidates, kept_parts, rounds = [], [], [], 0
+        while questions > 0:
+            # 2-5 sample, generate, reward, filter; 6 advantages over each full group
+            batch, group_keep = self._rollout(questions, rounds, timer)
+            seen.append(batch)
+            batch = batch.select(group_keep.repeat_interleave(T.group_size))
+            # 7 prune: decided on the whole step's batch, identically on every rank
+            keep = self.pruner.keep(batch)
+            candidates.append((batch, keep))
+            kept_parts.append(batch.select(keep))
+            rounds += 1
+            slots_left = slots - sum(len(p) for p in kept_parts)
+            questions = self.allocator.next_round(slots_left, rounds, T.group_size, kept_per_group, self.world_size)
+        kept = shard(RolloutBatch.concat(kept_parts, self.tokenizer.pad_token_id), self.rank, self.world_size)
+        # 9 old and reference log-probs, only when the objective needs them, only on kept rows
+        with timer("logprobs"):
+            self._fill_logprobs(kept)
+        # 10 mu optimizer steps over the kept rows; the generator gets the new weights
+        with timer("update"):
+            update_metrics = self._update(kept)
+        # 11 metrics of this step
+        self.step_index += 1
+        return {
+            **self._rollout_metrics(seen, candidates),
+            **update_metrics,
+            **self.allocator.metrics(),
+            **timer.metrics(),
+        }
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _rollout(self, n_questions: int, round_index: int, timer: PhaseTimer) -> tuple[RolloutBatch, torch.Tensor]:
+        """This rank generates and scores its share; every rank returns the whole round, with advantages."""
+        G = self.train_cfg.group_size
+        examples = self.questions.take(n_questions)  # the same questions, in the same order, on every rank
+        share = n_questions // self.world_size
+        mine = examples[self.rank * share : (self.rank + 1) * share]
+        with timer("generate"):
+            prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine], self.train_cfg.max_prompt_length)
+            local = generate(
+                self.backend, prompts, G, self.sampling, seed=self._seed(round_index),
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
+            )
+        with timer("reward"):
+            texts = self.tokenizer.batch_decode(local.completion_ids * local.completion_mask, skip_special_tokens=True)
+            scored = self.task.reward(texts, [e for e in mine for _ in range(G)])
+            local.rewards = torch.tensor(scored.total, dtype=torch.float32)  # [N_rank]
+            local.reward_components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scored.components.items()}
+            self._task_metrics = {f"reward/{k}": float(all_reduce_sum(float(v))) for k, v in scored.metrics.items()}
+        batch = all_gather_batch(local, self.tokenizer.pad_token_id)
+        rewards = self.objective.shape_rewards(
+            batch.rewards.view(-1, G), batch.lengths.view(-1, G), batch.truncated.view(-1, G)
+        )  # [B, G]
+        group_keep = self.objective.group_filter(rewards)  # [B]
+        advantages = self.objective.advantages(rewards)  # [B, G]
+        return dataclasses.replace(batch, rewards=rewards.flatten(), advantages=advantages.flatten()), group_keep
+
+    def _fill_logprobs(self, kept: RolloutBatch) -> None:
+        T = self.train_cfg
+        if self.objective.needs_old_logprobs:
+            kept.old_logprobs = batch_logprobs(self.module, kept.to(self.accelerator.device), T.micro_batch_size,
+                                               T.temperature)
+        if self.ref is not None:
+            kept.ref_logprobs = batch_logprobs(self.ref, kept.to(self.accelerator.device), T.micro_batch_size,
+                                               T.temperature)
+
+    def _update(self, kept: RolloutBatch) -> dict[str, float]:
+        T, device = self.train_cfg, self.accelerator.device
+        totals = StepTotals(
+            sequences=int(all_reduce_sum(len(kept))),
+            tokens=int(all_reduce_sum(int(self.objective.loss_mask(kept).sum()))),
+        )
+        if totals.tokens == 0:  # everything was filtered or pruned away: nothing to learn from this step
+            return {"train/skipped": 1.0, "tokens/trained": 0.0}
+        sums = MetricSums()
+        grad_norms = []
+        for _ in range(T.mu):
+            parts = list(micro_batches(kept, T.micro_batch_size))
+            for i, mb in enumerate(parts):
+                last = i == len(parts) - 1
+                with nullcontext() if last else self.accelerator.no_sync(self.module):
+                    mb = mb.to(device)
+                    logp = self.module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                       T.temperature)
+                    loss, metrics = self.objective.loss(logp, mb, totals)
+                    # Each rank's loss is its share of the global step loss; DDP averages gradients over ranks.
+                    self.accelerator.backward(loss * self.world_size)
+                sums.add({"loss/total": loss.detach(), **metrics})
+            grad_norms.append(float(self.accelerator.clip_grad_norm_(self.module.parameters(), self.optim_cfg.max_grad_norm)))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.backend.sync_weights(self.policy)
+        return {
+            **sums.result(passes=T.mu),
+            "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "tokens/trained": float(totals.tokens * T.mu),
+            "train/rows": float(totals.sequences),
+        }
+
+    def _rollout_metrics(self, seen: list[RolloutBatch], candidates: list[tuple[RolloutBatch, torch.Tensor]]) -> dict:
+        G = self.train_cfg.group_size
+        full = RolloutBatch.concat(seen, self.tokenizer.pad_token_id)
+        out = {f"reward/{k}_mean": float(v.mean()) for k, v in full.reward_components.items()}
+        out.update({f"reward/{k}_std": float(v.std()) if len(v) > 1 else 0.0 for k, v in full.reward_components.items()})
+        out.update(advantage_metrics(full.rewards.view(-1, G), full.advantages.view(-1, G)))
+        out["reward/mean"] = float(full.rewards.mean())
+        out["completion/length_mean"] = float(full.lengths.float().mean())
+        out["completion/truncated_frac"] = float(full.truncated.float().mean())
+        out["tokens/generated"] = float(full.lengths.sum())
+        out.update(self._task_metrics)
+        batch = RolloutBatch.concat([b for b, _ in candidates], self.tokenizer.pad_token_id)
+        keep = torch.cat([k for _, k in candidates])
+        out.update(prune_metrics(batch, keep) if len(batch) else {"prune/kept_frac": 0.0})
+        out["filter/kept_groups_frac"] = len(batch) / max(len(full), 1)
+        return out
+
+    def _seed(self, round_index: int) -> int:
+        """Generation seed: a function of (run seed, step, round, rank) only, so a resumed run samples the same."""
+        return (self.cfg.seed * 1_000_003 + self.step_index * 1009 + round_index * 31 + self.rank) % (2**31)
+
+    def _build(self, kind: str, **context: Any) -> Any:
+        return registry.get(kind, self.cfg[kind].name).build(to_object(kind, self.cfg[kind]), **context)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """Greedy accuracy on the held-out split (validation by default: checkpoints are never chosen on test)."""
+        from gpo.evaluate import evaluate
+
+        E = self.eval_cfg
+        examples = list(self.task.load(E.split))
+        examples = examples[: E.limit] if E.limit else examples
+        sampling = Sampling(max_new_tokens=E.max_new_tokens or self.train_cfg.max_completion_length, greedy=True)
+        _, summary = evaluate(self.policy, self.tokenizer, self.backend, self.task, examples, sampling, E.batch_size,
+                              self.train_cfg.max_prompt_length)
+        return {f"eval/{tag}/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
+
+    def save(self) -> Path:
+        state = {
+            "questions": self.questions.state_dict(),
+            "allocator": self.allocator.state_dict(),
+            "best_score": self.best_score,
+            "run_name": self.run_name,
+        }
+        return checkpoint.save(self.accelerator, self.run_dir / "checkpoints", self.step_index, state,
+                               self.ckpt_cfg.keep_last)
+
+    def restore(self, path: Path) -> None:
+        state = checkpoint.load(self.accelerator, path)
+        self.step_index = int(state["step"])
+        self.questions.load_state_dict(state["questions"])
+        self.allocator.load_state_dict(state["allocator"])
+        self.best_score = state.get("best_score")
+
+    def save_model(self, name: str) -> Path:
+        target = self.run_dir / name
+        if self.accelerator.is_main_process:
+            model = self.accelerator.unwrap_model(self.module).model
+            if hasattr(model, "merge_and_unload"):  # LoRA: ship a plain model that any backend can load
+                model = model.merge_and_unload()
+            model.save_pretrained(target)
+            self.tokenizer.save_pretrained(target)
+        self.accelerator.wait_for_everyone()
+        return target
+
+    def resume_path(self) -> Path | None:
+        resume = self.cfg.resume
+        if not resume:
+            return None
+        if resume == "auto":
+            return checkpoint.latest(self.run_dir / "checkpoints")
+        path = Path(resume).expanduser()
+        if path.is_dir() and not (path / checkpoint.STATE_FILE).is_file():
+            path = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path) or path
+        return path
+
+    def run(self) -> dict[str, float]:
+        """Train for train.steps with evaluation, checkpoints and tracking; return the final summary."""
+        from tqdm.auto import tqdm
+
+        T, E, C = self.train_cfg, self.eval_cfg, self.ckpt_cfg
+        path = self.resume_path()
+        if path is not None:
+            self.restore(path)
+            _say(f"resumed from {path} at step {self.step_index}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        self.tracker.start(self.run_name, _flatten(OmegaConf.to_container(self.cfg, resolve=True)), to_yaml(self.cfg))
+        summary: dict[str, float] = {}
+        started = time.perf_counter()
+        if E.before_and_after and self.step_index == 0:
+            summary.update(self.evaluate("before"))
+            self.tracker.log_metrics(summary, step=0)
+        bar = tqdm(total=T.steps, initial=self.step_index, desc="gpo", disable=self.rank != 0, dynamic_ncols=True)
+        status = "FAILED"
+        try:
+            with _sigterm_as_interrupt():
+                while self.step_index < T.steps:
+                    metrics = self.step()
+                    self.tracker.log_metrics(metrics, step=self.step_index)
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kept=f"{metrics['prune/kept_frac']:.2f}",
+                                    s_step=f"{metrics['time/step']:.1f}")
+                    summary.update({k: metrics[k] for k in ("reward/mean", "prune/kept_frac") if k in metrics})
+                    if E.every and self.step_index % E.every == 0 and self.step_index < T.steps:
+                        self._validate()
+                    if C.every and self.step_index % C.every == 0:
+                        self.save()
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            _say(f"interrupted: saved {self.save()}; continue with resume=auto run_name={self.run_name}")
+            raise
+        finally:
+            bar.close()
+            if status != "FINISHED":
+                self.tracker.end(status)
+        self.save()
+        final = self.save_model("final")
+        summary["train/seconds"] = time.perf_counter() - started
+        if E.before_and_after:
+            summary.update(self.evaluate("after"))
+            self.tracker.log_metrics({k: v for k, v in summary.items() if k.startswith("eval/")}, step=self.step_index)
+        self.tracker.log_artifact(str(self.run_dir / "config.yaml"))
+        self.tracker.log_summary({**summary, "final_model": str(final)})
+        self.tracker.end("FINISHED")
+        if self.rank == 0:
+            _print_summary(self.run_dir, final, summary, self.tracker.location())
+        return summary
+
+    def _validate(self) -> None:
+        scores = self.evaluate("validation")
+        self.tracker.log_metrics(scores, step=self.step_index)
+        score = scores.get("eval/validation/accuracy")
+        if score is not None and (self.best_score is None or score > self.best_score):
+            self.best_score = score
+            self.save_model("best")
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Entry point of `gpo run`."""
+    engine = Engine(cfg)
+    try:
+        return engine.run()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # ZeRO-3 aborts at exit otherwise
+
+
+# --- small helpers --------------------------------------------------------------------------------------------
+
+
+class PhaseTimer:
+    """Seconds per phase of a step (generate / reward / logprobs / update), summed over refill rounds."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[phase] += time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out["time/step"] = time.perf_counter() - self.start
+        return out
+
+
+class MetricSums:
+    """Combines the objective's per-micro-batch metric shares: summed, except `_min`/`_max` names."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        for k, v in metrics.items():
+            v = float(v)
+            if k not in self.values:
+                self.values[k] = v
+            elif k.endswith("_min"):
+                self.values[k] = min(self.values[k], v)
+            elif k.endswith("_max"):
+                self.values[k] = max(self.values[k], v)
+            else:
+                self.values[k] += v
+
+    def result(self, passes: int) -> dict[str, float]:
+        return {k: v if k.endswith(("_min", "_max")) else v / passes for k, v in self.values.items()}
+
+
+def _scheduler(optimizer: Any, name: str, warmup_ratio: float, total: int) -> Any:
+    from transformers import get_scheduler
+
+    names = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+    if name not in names:
+        raise UserError(f"optim.schedule must be one of {', '.join(names)}, got `{name}`.")
+    return get_scheduler(names[name], optimizer, num_warmup_steps=math.ceil(warmup_ratio * total),
+                         num_training_steps=max(total, 1))
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler pre-empting the job) saves a checkpoint like Ctrl-C does."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def _say(message: str) -> None:
+    print(f"gpo: {message}", flush=True)
+
+
+def _print_summary(run_dir: Path, final: Path, summary: dict[str, float], location: str) -> None:
+    lines = [f"gpo: run finished: {run_dir}"]
+    for key in ("eval/before/accuracy", "eval/after/accuracy", "reward/mean", "prune/kept_frac", "train/seconds"):
+        if key in summary:
+            lines.append(f"  {key:<24} {summary[key]:.4f}")
+    lines.append(f"  final model              {final}")
+    if location:
+        lines.append(f"  {location}")
+    print("\n".join(lines), flush=True)

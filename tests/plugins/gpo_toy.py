@@ -1,0 +1,37 @@
+"""A test-only task, registered as a plug-in: rewards completions by their length, so even a random tiny model
+gets groups with different rewards (non-zero advantages) and every pruner has something to choose from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpo.registry import register
+from gpo.types import Grade, Rewards
+
+
+@dataclass
+class ToyConfig:
+    size: int = 64
+
+
+@register("task", "toy", config=ToyConfig)
+class ToyTask:
+    """Reward = completion length / 100 (test-only)."""
+
+    def __init__(self, cfg: ToyConfig) -> None:
+        self.cfg = cfg
+
+    def load(self, split: str) -> list[dict]:
+        offset = {"train": 0, "validation": 1000, "test": 2000}[split]
+        return [{"question": f"Count to {i + offset}.", "answer": str(i + offset)} for i in range(self.cfg.size)]
+
+    def prompt(self, example: dict) -> list[dict]:
+        return [{"role": "user", "content": example["question"]}]
+
+    def reward(self, completions: list[str], examples: list[dict]) -> Rewards:
+        lengths = [len(c) / 100 for c in completions]
+        return Rewards(total=lengths, components={"length": lengths})
+
+    def grade(self, completions: list[str], examples: list[dict]) -> list[Grade]:
+        return [Grade(extracted=c[-3:], gold=e["answer"], correct=c.strip().endswith(e["answer"]), formatted=True)
+                for c, e in zip(completions, examples)]

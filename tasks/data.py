@@ -50,13 +50,12 @@ def as_source(value: DataSource | dict[str, Any]) -> DataSource:
 
 
 def resolve(source: DataSource | dict[str, Any], data_dir: str | None, local_file: str) -> DataSource:
-    """`data_dir` (a local copy laid out like ../shared/data: gsm8k/test.jsonl, ...) wins over `source`.
-
-    Without one, the environment variable `GPO_DATA_DIR` serves the same purpose for every task at once
-    (machines without Hub access set it once instead of passing `task.data_dir=` to each run).
-    """
-    data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
-    return DataSource(str(Path(data_dir).expanduser() / local_file)) if data_dir else as_source(source)
+    """Where a split is read from: `data_dir/local_file` when the task's `data_dir` is set (a local copy laid
+    out like ../shared/data: gsm8k/test.jsonl, ...), else `source`; a Hub `source` is replaced by
+    `$GPO_DATA_DIR/local_file` when that variable is set (machines without Hub access set it once)."""
+    source = as_source(source)
+    data_dir = data_dir or (None if is_local(source.path) else os.environ.get(DATA_DIR_ENV))
+    return DataSource(str(Path(data_dir).expanduser() / local_file)) if data_dir else source
 
 
 def is_local(path: str) -> bool:
@@ -167,11 +166,11 @@ def _checked(rows: list[Example], required: Sequence[str], gold: Callable[[Examp
     kept, skipped = [], []
     for number, row in enumerate(rows, start=1):
         problem = _row_problem(row, required)
+        answer = gold(row) if problem is None else ""
+        if problem is None and not answer:
+            problem = "has no final answer to grade against"
         if problem is None:
-            row["gold"] = gold(row)
-            problem = None if row["gold"] else "has no final answer to grade against"
-        if problem is None:
-            kept.append(row)
+            kept.append({**row, "gold": answer})
         elif skip:
             skipped.append(number)
         else:

@@ -76,7 +76,7 @@ def predicted_answer(completion: str) -> str | None:
     tag = answer_tag(completion)
     if tag is not None:
         return last_boxed(tag) or tag or None
-    return last_boxed(completion)
+    return last_boxed(completion) or None
 
 
 @register("task", "math", config=MathConfig)
@@ -157,8 +157,9 @@ class VerifierPool:
     cheap fork rather than a fresh interpreter (and never a fork of a parent that holds model threads).
     """
 
-    def __init__(self, size: int, limit_s: float) -> None:
-        self.limit_s = limit_s
+    def __init__(self, size: int, limit_s: float, kill_after_s: float | None = None) -> None:
+        self.limit_s = limit_s  # each worker stops its own item after this long
+        self.kill_after_s = limit_s + GRACE_S if kill_after_s is None else kill_after_s  # the parent's backstop
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(["math_verify", __name__])
         self._workers = [_Worker(self._ctx, limit_s) for _ in range(max(1, size))]
@@ -170,7 +171,7 @@ class VerifierPool:
         while queue or any(w.job is not None for w in self._workers):
             for w in self._workers:
                 if w.ready and w.job is None and queue:
-                    w.assign(queue.popleft(), jobs, self.limit_s + GRACE_S)
+                    w.assign(queue.popleft(), jobs, self.kill_after_s)
             busy = [w.deadline for w in self._workers if w.job is not None]
             if not busy and time.monotonic() - started > STARTUP_S:
                 raise RuntimeError(f"no math-verify worker started within {STARTUP_S:.0f} s")
@@ -184,6 +185,9 @@ class VerifierPool:
                     results[w.job] = (TIMEOUT, False)
                     self._replace(slot)
         return [r if r is not None else (ERROR, False) for r in results]
+
+    def worker_pids(self) -> list[int | None]:
+        return [w.process.pid for w in self._workers]
 
     def _receive(self, slot: int, results: list[Verdict | None]) -> None:
         w = self._workers[slot]

@@ -58,7 +58,9 @@ class DAPO:
         self.buffer = cfg.overlong_buffer
         if cfg.overlong_penalty:
             if max_completion_length is None:
-                raise UserError("dapo's overlong penalty needs train.max_completion_length (or algo.overlong_penalty=false).")
+                raise UserError(
+                    "dapo's overlong penalty needs train.max_completion_length (or set algo.overlong_penalty=false)."
+                )
             if self.buffer is None:
                 self.buffer = max(1, round(DEFAULT_BUFFER_SHARE * max_completion_length))
             if not 0 < self.buffer <= max_completion_length:

@@ -244,7 +244,8 @@ def test_policy_loss_ignores_garbage_padding_and_empty_rows():
         assert logp.grad.isfinite().all() and (logp.grad[batch.completion_mask == 0] == 0).all()
         logp.grad = None
     _, m = spec(logp, batch, torch.zeros(2, 2), StepTotals(2, 0), ops.token_mean)
-    assert m["ratio/token_min"].item() == math.inf and m["ratio/token_max"].item() == -math.inf  # identities of min / max
+    # no token counts: the identities of min and max, so the engine's reduction ignores this micro-batch
+    assert m["ratio/token_min"].item() == math.inf and m["ratio/token_max"].item() == -math.inf
 
 
 @pytest.mark.parametrize(
@@ -265,6 +266,6 @@ def test_policy_loss_settings_are_validated(kwargs, message):
 
 def test_policy_loss_needs_ref_logprobs_when_beta_positive():
     batch = micro_batch([1.0], [[1]])
+    spec = ops.PolicyLoss(eps_low=0.2, eps_high=0.2, beta=0.1)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        ops.PolicyLoss(eps_low=0.2, eps_high=0.2, beta=0.1)(torch.zeros(1, 1), batch, batch.completion_mask,
-                                                            StepTotals(1, 1), ops.token_mean)
+        spec(torch.zeros(1, 1), batch, batch.completion_mask, StepTotals(1, 1), ops.token_mean)

@@ -1,0 +1,277 @@
+"""gpo's objectives against TRL 1.16's own GRPO code, on fresh random inputs each run (float64, tolerance 1e-6).
+
+Nothing of TRL is re-typed here. A bare `GRPOTrainer` (built with `object.__new__`, with only the attributes the
+two methods read) runs TRL's real code:
+- `_generate_and_score_completions`, for advantages, truncation masking and the token count. Its generator and
+  reward functions are replaced by functions that return our tensors.
+- `_compute_loss`, for losses, gradients and metrics. Its log-prob function returns our `logp` tensor.
+The accelerator is a single-process stand-in. A run with several ranks is simulated as DDP does it: each rank's
+loss on its own rows, then their mean.
+
+Deliberate differences, each tested below (see also the gpo/ops.py docstring):
+1. DAPO's advantage epsilon is 1e-6 (verl, the paper's code). TRL always uses 1e-4; with std_eps=1e-4 the two agree.
+2. Dr.GRPO divides by (step sequences * normaliser). TRL divides by (micro-batch rows * max_completion_length)
+   and then by the accumulation steps, so the two agree only when micro-batches have equal row counts.
+3. TRL's `dapo` divides by tokens/world_size, and DDP's mean over ranks turns that back into the global token
+   count. gpo returns each rank's share directly (the engine multiplies by world_size before backward).
+   So TRL's per-rank loss is world_size times gpo's share.
+4. grpo `token_mean` uses the step's token count. TRL's `bnpo` uses the micro-batch's, so the two agree only for
+   a single micro-batch (or micro-batches with equal token counts).
+"""
+
+from __future__ import annotations
+
+import random
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+from test_algorithms import build
+from test_ops import micro_batch
+
+from gpo import ops
+from gpo.types import StepTotals
+
+trainer_module = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL (the `dev` extra) is not installed")
+GRPOTrainer = trainer_module.GRPOTrainer
+TOL = 1e-6
+EOS, PAD, TOKEN = 1, 0, 5
+
+
+@pytest.fixture
+def gen():
+    """A generator with a fresh seed each run; the seed is in the test's report if it fails."""
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed = {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def bare_trainer(*, group_size=4, scale_rewards="group", loss_type="grpo", beta=0.0, eps_low=0.2, eps_high=0.2,
+                 max_completion_length=8, accumulation=1, world_size=1, mask_truncated=False):
+    t = object.__new__(GRPOTrainer)
+    t.accelerator = types.SimpleNamespace(
+        device=torch.device("cpu"), process_index=0, num_processes=world_size, is_main_process=True,
+        gather=lambda x: x, reduce=lambda x, reduction="sum": x, gather_for_metrics=lambda x: x,
+    )
+    t.model = types.SimpleNamespace(training=True, is_gradient_checkpointing=False)
+    t.args = types.SimpleNamespace(
+        steps_per_generation=accumulation, gradient_accumulation_steps=accumulation, per_device_train_batch_size=1,
+        gradient_checkpointing_kwargs=None, delta=None, use_bias_correction_kl=False,
+    )
+    t.current_gradient_accumulation_steps = accumulation
+    t.environment_factories = t.tools = t.environments = None
+    t._tokenizer = types.SimpleNamespace(pad_token_id=PAD)
+    t.pad_to_multiple_of = None
+    t.mask_truncated_completions, t.eos_token_ids = mask_truncated, [EOS]
+    t.num_iterations, t.use_vllm, t.vllm_importance_sampling_correction = 1, False, False
+    t.num_generations, t.scale_rewards = group_size, scale_rewards
+    t.multi_objective_aggregation = "sum_then_normalize"
+    t.reward_weights, t.reward_func_names = torch.ones(1, dtype=torch.float64), ["r"]
+    t.loss_type, t.beta, t.epsilon_low, t.epsilon_high = loss_type, beta, eps_low, eps_high
+    t.max_completion_length = max_completion_length
+    t.importance_sampling_level, t.top_entropy_quantile, t.off_policy_mask_threshold = "token", 1.0, None
+    t._entropy_bonus_enabled = t.aux_loss_enabled = t.log_multimodal = False
+    t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    t._logs = {"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
+               "extra": defaultdict(list), "images": []}
+    t._pending_extra_logs, t._pending_metrics = defaultdict(list), defaultdict(list)
+    return t
+
+
+def trl_score(rewards, completion_ids=None, **settings):
+    """TRL's `_generate_and_score_completions` on given rewards [B, G] (and token ids, for truncation)."""
+    n = rewards.numel()
+    completion_ids = completion_ids or [[TOKEN, EOS]] * n
+    t = bare_trainer(group_size=rewards.shape[1], **settings)
+    t._generate = lambda prompts: ([[7, 8]] * n, completion_ids, None, ["text"] * n, None, {}, None, [None] * n)
+    t._calculate_rewards = lambda inputs, prompts, completions, ids: rewards.reshape(n, 1)
+    out = t._generate_and_score_completions([{"prompt": "question"}] * n)
+    return out, t._metrics["train"]
+
+
+def trl_loss(logp, adv, mask, old=None, ref=None, num_items=None, **settings):
+    """TRL's `_compute_loss` on one micro-batch; returns (loss, grad w.r.t. logp, metrics)."""
+    t = bare_trainer(**settings)
+    logp = logp.detach().clone().requires_grad_()
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logp, torch.zeros_like(logp), None)
+    inputs = {
+        "prompt_ids": torch.ones(len(adv), 1, dtype=torch.long), "prompt_mask": torch.ones(len(adv), 1),
+        "completion_ids": torch.zeros_like(mask), "completion_mask": mask, "advantages": adv,
+        "num_items_in_batch": torch.as_tensor(mask.sum() if num_items is None else num_items),
+    }
+    if old is not None:
+        inputs["old_per_token_logps"] = old
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    loss = t._compute_loss(None, inputs)
+    loss.backward()
+    return loss.detach(), logp.grad, {k: v[0] for k, v in t._metrics["train"].items()}
+
+
+def gpo_loss(objective, logp, adv, mask, old, ref, totals):
+    logp = logp.detach().clone().requires_grad_()
+    loss, metrics = objective.loss(logp, micro_batch(adv, mask, old_logprobs=old, ref_logprobs=ref), totals)
+    loss.backward()
+    return loss.detach(), logp.grad, metrics
+
+
+def random_rewards(gen, groups=6, group_size=4):
+    """[B, G]: binary, continuous, and two zero-variance groups."""
+    rewards = torch.rand(groups, group_size, generator=gen, dtype=torch.float64)  # [B, G]
+    rewards[: groups // 2] = rewards[: groups // 2].round()
+    rewards[0] = 1.0
+    rewards[1] = 0.3
+    return rewards
+
+
+def random_rollout(gen, n=8, length=7):
+    """logp, old, ref [n, L] (ratios across both clip edges), advantages [n], a padded mask with one empty row."""
+    lengths = torch.randint(1, length + 1, (n,), generator=gen)
+    lengths[0], lengths[1] = 0, 1  # a fully masked row and a single-token one
+    mask = (torch.arange(length) < lengths.unsqueeze(1)).long()  # [n, L]
+    old = -2 * torch.rand(n, length, generator=gen, dtype=torch.float64)  # [n, L]
+    logp = old + 0.5 * torch.randn(n, length, generator=gen, dtype=torch.float64)  # [n, L]
+    ref = old + 0.3 * torch.randn(n, length, generator=gen, dtype=torch.float64)  # [n, L]
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)  # [n]
+    return logp, old, ref, adv, mask
+
+
+def assert_close(a, b):
+    assert torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
+                          atol=TOL, rtol=0), (a, b)
+
+
+# --- advantages ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "cfg", "scale_rewards"), [
+    ("grpo", {}, "group"),
+    ("dapo", {"std_eps": 1e-4}, "group"),
+    ("dr_grpo", {}, "none"),
+])
+def test_advantages_match_trl(gen, name, cfg, scale_rewards):
+    rewards = random_rewards(gen)
+    out, trl_metrics = trl_score(rewards, scale_rewards=scale_rewards)
+    ours = build(name, **cfg).advantages(rewards)
+    assert_close(ours.flatten(), out["advantages"])
+    assert torch.equal(ours[:2], torch.zeros(2, 4, dtype=torch.float64))  # exactly 0 where TRL may leave 1e-13
+    metrics = ops.advantage_metrics(rewards, ours)
+    assert metrics["zero_std_frac"] == pytest.approx(trl_metrics["frac_reward_zero_std"][0])
+    assert metrics["reward/mean"] == pytest.approx(trl_metrics["reward"][0])
+    assert metrics["reward/std"] == pytest.approx(trl_metrics["reward_std"][0])
+
+
+def test_dapo_default_epsilon_is_verls_not_trls(gen):
+    rewards = random_rewards(gen)
+    out, _ = trl_score(rewards, scale_rewards="group")
+    ours = build("dapo").advantages(rewards)  # (r - mean) / (std + 1e-6); TRL: / (std + 1e-4)
+    std = rewards.std(dim=1, keepdim=True)  # [B, 1]
+    mixed = std.squeeze(1) > 0
+    expected = out["advantages"].view_as(rewards) * (std + 1e-4) / (std + 1e-6)
+    assert_close(ours[mixed], expected[mixed])
+    assert not torch.allclose(ours[mixed], out["advantages"].view_as(rewards)[mixed], atol=1e-9, rtol=0)
+
+
+def test_truncation_masking_and_token_count_match_trl(gen):
+    n, length = 8, 6
+    lengths = torch.randint(1, length + 1, (n,), generator=gen).tolist()
+    truncated = [bool(torch.rand(1, generator=gen) < 0.5) for _ in range(n)]
+    # A truncated completion ends without EOS; the others end with it.
+    ids = [[TOKEN] * (k - 1) + [TOKEN if cut else EOS] for k, cut in zip(lengths, truncated, strict=True)]
+    out, _ = trl_score(random_rewards(gen, groups=2), completion_ids=ids, mask_truncated=True)
+    mask = (torch.arange(out["completion_mask"].shape[1]) < torch.tensor(lengths).unsqueeze(1)).long()  # [n, L]
+    ours = build("dapo", mask_truncated=True).loss_mask(micro_batch(torch.zeros(n), mask, truncated=truncated))
+    assert torch.equal(ours, out["completion_mask"])
+    assert int(ours.sum()) == int(out["num_items_in_batch"])  # StepTotals.tokens == TRL's num_items_in_batch
+
+
+# --- losses -------------------------------------------------------------------------------------------------------
+
+# (gpo objective, its settings, TRL loss_type, TRL settings)
+PAIRS = [
+    ("grpo", {}, "grpo", {"beta": 0.04}),
+    ("grpo", {"loss_agg": "token_mean", "beta": 0.1}, "bnpo", {"beta": 0.1}),
+    ("dapo", {}, "dapo", {"eps_high": 0.28}),
+    ("dapo", {"beta": 0.05}, "dapo", {"eps_high": 0.28, "beta": 0.05}),
+    ("dr_grpo", {}, "dr_grpo", {}),
+]
+
+
+@pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg"), PAIRS)
+def test_one_micro_batch_loss_gradient_and_metrics_match_trl(gen, name, cfg, loss_type, trl_cfg):
+    logp, old, ref, adv, mask = random_rollout(gen)
+    objective = build(name, mu=2, max_completion_length=mask.shape[1], **cfg)
+    totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
+    loss, grad, metrics = gpo_loss(objective, logp, adv, mask, old, ref, totals)
+    trl, trl_grad, trl_metrics = trl_loss(logp, adv, mask, old, ref, loss_type=loss_type,
+                                          max_completion_length=mask.shape[1], **trl_cfg)
+    assert_close(loss, trl)
+    assert_close(grad, trl_grad)
+    assert grad.abs().sum() > 0
+    # clip fractions and KL are token means over the micro-batch in TRL; here shares of the step: equal for one
+    assert_close(metrics["clip/low_frac"], trl_metrics["clip_ratio/low_mean"])
+    assert_close(metrics["clip/high_frac"], trl_metrics["clip_ratio/high_mean"])
+    if objective.policy_loss.beta > 0:
+        assert_close(metrics["kl/mean"], trl_metrics["kl"])
+
+
+def test_mu_one_matches_trl_without_old_logprobs(gen):
+    logp, _, ref, adv, mask = random_rollout(gen)
+    totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
+    loss, grad, _ = gpo_loss(build("grpo"), logp, adv, mask, None, ref, totals)
+    trl, trl_grad, _ = trl_loss(logp, adv, mask, None, ref, loss_type="grpo", beta=0.04)
+    assert_close(loss, trl)
+    assert_close(grad, trl_grad)
+
+
+def split_rows(*tensors, parts):
+    return list(zip(*(t.chunk(parts) if t is not None else [None] * parts for t in tensors), strict=True))
+
+
+@pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg"), [PAIRS[0], PAIRS[2], PAIRS[4]])
+def test_equal_micro_batches_with_accumulation_match_trl(gen, name, cfg, loss_type, trl_cfg):
+    """grpo, dapo and dr_grpo over 3 accumulation steps of equal row counts (token counts differ)."""
+    logp, old, ref, adv, mask = random_rollout(gen, n=9)
+    objective = build(name, mu=2, max_completion_length=mask.shape[1], **cfg)
+    totals = StepTotals(sequences=9, tokens=int(mask.sum()))
+    ours = trl = 0.0
+    for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=3):
+        ours += gpo_loss(objective, lp, a, m, o, r, totals)[0]
+        trl += trl_loss(lp, a, m, o, r, num_items=totals.tokens, loss_type=loss_type, accumulation=3,
+                        max_completion_length=mask.shape[1], **trl_cfg)[0]
+    assert_close(ours, trl)
+
+
+def test_dapo_across_ranks_trl_normaliser_is_tokens_over_world_size(gen):
+    """Difference 3: per rank, TRL's loss is world_size x gpo's share; DDP's mean of TRL's = the sum of gpo's."""
+    logp, old, ref, adv, mask = random_rollout(gen, n=8)
+    objective = build("dapo", mu=2, max_completion_length=mask.shape[1])
+    totals = StepTotals(sequences=8, tokens=int(mask.sum()))  # all-reduced over both ranks
+    ours, trl = [], []
+    for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=2):
+        ours.append(gpo_loss(objective, lp, a, m, o, r, totals)[0])
+        trl.append(trl_loss(lp, a, m, o, r, num_items=totals.tokens, loss_type="dapo", eps_high=0.28,
+                            world_size=2)[0])
+    for mine, theirs in zip(ours, trl, strict=True):
+        assert_close(2 * mine, theirs)
+    assert_close(sum(ours), sum(trl) / 2)
+    whole = gpo_loss(objective, logp, adv, mask, old, ref, totals)[0]
+    assert_close(sum(ours), whole)  # = the global token mean of the step
+
+
+def test_unequal_micro_batches_bnpo_and_dr_grpo_are_local_in_trl(gen):
+    """Differences 2 and 4: TRL's bnpo / dr_grpo normalise by the micro-batch; gpo by the whole step."""
+    logp, old, ref, adv, mask = random_rollout(gen, n=8)
+    mask[2:] = 1  # rows 2.. are full, so the two micro-batches below hold different token counts
+    length = mask.shape[1]
+    totals = StepTotals(sequences=8, tokens=int(mask.sum()))
+    rows = (slice(0, 2), slice(2, 8))  # 2 rows and 6 rows
+    for name, cfg, loss_type in (("grpo", {"loss_agg": "token_mean", "beta": 0.0}, "bnpo"), ("dr_grpo", {}, "dr_grpo")):
+        objective = build(name, mu=2, max_completion_length=length, **cfg)
+        ours = sum(gpo_loss(objective, logp[r], adv[r], mask[r], old[r], ref[r], totals)[0] for r in rows)
+        trl = sum(trl_loss(logp[r], adv[r], mask[r], old[r], ref[r], loss_type=loss_type, accumulation=2,
+                           max_completion_length=length)[0] for r in rows)
+        whole_trl = trl_loss(logp, adv, mask, old, ref, loss_type=loss_type, max_completion_length=length)[0]
+        assert_close(ours, whole_trl)  # gpo is invariant to the split: it equals TRL on one whole batch
+        assert abs(float(ours - trl)) > 1e-4  # TRL's split-dependent normaliser gives another value

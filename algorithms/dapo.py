@@ -68,10 +68,7 @@ class DAPO:
                     f"algo.overlong_buffer must be in 1..train.max_completion_length={max_completion_length}, "
                     f"got {self.buffer}."
                 )
-        self.policy_loss = ops.PolicyLoss(
-            eps_low=cfg.epsilon_low, eps_high=cfg.epsilon_high, beta=cfg.beta,
-            kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
-        )
+        self.policy_loss = ops.PolicyLoss.from_config(cfg)
         self.needs_ref_logprobs = cfg.beta > 0
         self.needs_old_logprobs = mu > 1
 

@@ -49,10 +49,7 @@ class DrGRPO:
             )
         self.cfg = cfg
         self.normaliser = normaliser
-        self.policy_loss = ops.PolicyLoss(
-            eps_low=cfg.epsilon_low, eps_high=cfg.epsilon_high, beta=cfg.beta,
-            kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
-        )
+        self.policy_loss = ops.PolicyLoss.from_config(cfg)
         self.aggregate = partial(ops.token_sum_norm, normaliser=normaliser)
         self.needs_ref_logprobs = cfg.beta > 0
         self.needs_old_logprobs = mu > 1

@@ -42,10 +42,7 @@ class GRPO:
         if cfg.loss_agg not in ops.AGGREGATIONS:
             raise UserError(f"algo.loss_agg must be one of {', '.join(ops.AGGREGATIONS)}, got `{cfg.loss_agg}`.")
         self.cfg = cfg
-        self.policy_loss = ops.PolicyLoss(
-            eps_low=cfg.epsilon_low, eps_high=cfg.epsilon_high, beta=cfg.beta,
-            kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
-        )
+        self.policy_loss = ops.PolicyLoss.from_config(cfg)
         self.aggregate = ops.AGGREGATIONS[cfg.loss_agg]
         self.needs_ref_logprobs = cfg.beta > 0
         self.needs_old_logprobs = mu > 1

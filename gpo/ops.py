@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -213,6 +213,12 @@ class PolicyLoss:
             raise UserError(f"algo.kl_clamp must be > 0 or null, got {self.kl_clamp}.")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise UserError(f"algo.dual_clip must be > 1 or null (verl uses 3), got {self.dual_clip}.")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> PolicyLoss:
+        """From an objective's config; every objective names these settings alike (the errors quote `algo.*`)."""
+        return cls(eps_low=cfg.epsilon_low, eps_high=cfg.epsilon_high, beta=cfg.beta,
+                   kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip)
 
     def __call__(
         self, logp: Tensor, batch: RolloutBatch, mask: Tensor, totals: StepTotals, aggregate: Aggregation,

@@ -116,7 +116,8 @@ def evaluate_from_args(args: list[str], config_files: list[str]) -> int:
     summary = {"task": cfg.task.name, "split": ev.split, "model": model_cfg.path, **summary,
                "seconds": round(time.time() - started, 2)}
 
-    name, run_dir = _new_run_dir(Path(cfg.output_dir), f"eval-{cfg.task.name}-{ev.split}-{time.strftime('%Y%m%d-%H%M%S')}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name, run_dir = _new_run_dir(Path(cfg.output_dir), f"eval-{cfg.task.name}-{ev.split}-{stamp}")
     report = run_dir / "examples.jsonl"
     with open(report, "w", encoding="utf-8") as handle:
         for record in records:

@@ -1,4 +1,4 @@
-"""Reading answers out of model completions, shared by every task's reward and grading.
+"""Reading answers out of model completions and weighing the judgements into rewards, shared by every task.
 
 Everything here is pure and linear in the completion's length: a policy can emit 100 KB of braces or tags,
 and the reward must still come back in bounded time (no regex that can backtrack quadratically).
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
+
+from gpo.types import Rewards
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -93,3 +95,10 @@ def same_number(a: str, b: str) -> bool:
     """Numerically equal decimals ("18.00" and "18"); False when either is not a number."""
     x, y = as_decimal(a), as_decimal(b)
     return x is not None and y is not None and x == y
+
+
+def weighted_rewards(fmt: list[float], acc: list[float], format_weight: float, accuracy_weight: float,
+                     metrics: dict[str, float] | None = None) -> Rewards:
+    """The `format` and `accuracy` components and their weighted sum, the total the objective sees."""
+    total = [format_weight * f + accuracy_weight * a for f, a in zip(fmt, acc, strict=True)]
+    return Rewards(total=total, components={"format": fmt, "accuracy": acc}, metrics=metrics or {})

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from gpo.errors import UserError
 from gpo.registry import register
-from gpo.tasks.answers import answer_tag, last_number, same_number
+from gpo.tasks.answers import answer_tag, last_number, same_number, weighted_rewards
 from gpo.tasks.data import SPLITS
 from gpo.types import Example, Grade, Messages, Rewards
 
@@ -111,8 +111,7 @@ class Arith:
     def reward(self, completions: list[str], examples: list[Example]) -> Rewards:
         fmt = [float(answer_tag(c) is not None) for c in completions]
         acc = [float(g.correct) for g in self.grade(completions, examples)]
-        total = [self.cfg.format_weight * f + self.cfg.accuracy_weight * a for f, a in zip(fmt, acc)]
-        return Rewards(total=total, components={"format": fmt, "accuracy": acc})
+        return weighted_rewards(fmt, acc, self.cfg.format_weight, self.cfg.accuracy_weight)
 
     def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]:
         grades = []

@@ -75,7 +75,8 @@ def read_rows(source: DataSource, required: Sequence[str], gold: Callable[[Examp
     if is_local(source.path):
         parts = [(str(file), _read_local(file)) for file in _local_files(source.path)]
     else:
-        where = f"Hub dataset `{source.path}`" + (f" ({source.name})" if source.name else "") + f" split `{source.split}`"
+        config = f" ({source.name})" if source.name else ""
+        where = f"Hub dataset `{source.path}`{config} split `{source.split}`"
         parts = [(where, _read_hub(source))]
     rows: list[Example] = []
     for where, part in parts:

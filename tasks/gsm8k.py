@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpo.registry import register
-from gpo.tasks.answers import answer_tag, clean_number_text, numbers, r1_formatted, same_number
+from gpo.tasks.answers import answer_tag, clean_number_text, numbers, r1_formatted, same_number, weighted_rewards
 from gpo.tasks.data import DataSource, SplitCache, check_options, read_rows, resolve
 from gpo.types import Example, Grade, Messages, Rewards
 
@@ -68,7 +68,8 @@ class GSM8K:
 
     def _read(self, split: str) -> list[Example]:
         source = resolve(getattr(self.cfg, split), self.cfg.data_dir, self.LOCAL_FILES[split])
-        return read_rows(source, required=("question", "answer"), gold=lambda row: gold_answer(row["answer"]), bad_rows=self.cfg.bad_rows)
+        return read_rows(source, required=("question", "answer"), gold=lambda row: gold_answer(row["answer"]),
+                         bad_rows=self.cfg.bad_rows)
 
     def load(self, split: str) -> Sequence[Example]:
         return self._splits.get(split)
@@ -79,8 +80,7 @@ class GSM8K:
     def reward(self, completions: list[str], examples: list[Example]) -> Rewards:
         fmt = [float(r1_formatted(c)) for c in completions]
         acc = [accuracy(answer_tag(c), ex["gold"]) for c, ex in zip(completions, examples, strict=True)]
-        total = [self.cfg.format_weight * f + self.cfg.accuracy_weight * a for f, a in zip(fmt, acc)]
-        return Rewards(total=total, components={"format": fmt, "accuracy": acc})
+        return weighted_rewards(fmt, acc, self.cfg.format_weight, self.cfg.accuracy_weight)
 
     def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]:
         return [

@@ -29,7 +29,7 @@ from typing import Any
 
 from gpo.errors import UserError
 from gpo.registry import register
-from gpo.tasks.answers import answer_tag, last_boxed, r1_formatted
+from gpo.tasks.answers import answer_tag, last_boxed, r1_formatted, weighted_rewards
 from gpo.tasks.data import DataSource, SplitCache, check_options, read_rows, resolve
 from gpo.types import Example, Grade, Messages, Rewards
 
@@ -109,11 +109,10 @@ class Math:
         fmt = [float(r1_formatted(c)) for c in completions]
         verdicts = self._judge(completions, examples)
         acc = [CORRECT if correct else 0.0 for _, correct in verdicts]
-        total = [self.cfg.format_weight * f + self.cfg.accuracy_weight * a for f, a in zip(fmt, acc)]
         statuses = [status for status, _ in verdicts]
         metrics = {"verify_timeouts": float(statuses.count(TIMEOUT)), "verify_errors": float(statuses.count(ERROR)),
                    "gold_unparsed": float(statuses.count(GOLD_UNPARSED))}
-        return Rewards(total=total, components={"format": fmt, "accuracy": acc}, metrics=metrics)
+        return weighted_rewards(fmt, acc, self.cfg.format_weight, self.cfg.accuracy_weight, metrics)
 
     def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]:
         verdicts = self._judge(completions, examples)

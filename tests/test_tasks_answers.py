@@ -15,7 +15,7 @@ from gpo.tasks.answers import answer_tag, clean_number_text, last_boxed, last_nu
         ("<think>2+2=4</think>\n<answer>4</answer>", True),
         ("<think>a</think><answer>4</answer>", True),  # the reference demanded exactly one "\n" between the blocks
         ("  <think>a</think>\n\n<answer> 4 </answer>\n", True),  # surrounding whitespace is harmless
-        ("<think>a</think>\n<answer>4</answer>\nThanks!", False),  # trailing text: the reference's MULTILINE `$` let it pass
+        ("<think>a</think>\n<answer>4</answer>\nThanks!", False),  # trailing text (the reference's `$` let it pass)
         ("<think>a</think>\n<answer>4</answer>\n<answer>5</answer>", False),  # a second answer block
         ("Sure. <think>a</think>\n<answer>4</answer>", False),  # text before the reasoning
         ("<answer>4</answer>", False),  # no reasoning block

@@ -21,7 +21,7 @@ from typing import Any
 from gpo.errors import UserError
 from gpo.types import Example
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+LOCAL_SUFFIXES = (".jsonl", ".parquet")  # other existing local files are read as JSON lines
 SPLITS = ("train", "validation", "test")
 DATA_DIR_ENV = "GPO_DATA_DIR"
 

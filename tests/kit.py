@@ -1,7 +1,7 @@
 """Test kit for the foundation tests: a throw-away registry, a plug-in package on disk, running `gpo` for real.
 
 Kept out of conftest.py (which holds the model fixtures) so the two can change independently; import what you
-need: `from kit import fresh_registry, make_plugin, run_gpo`.
+need: `from kit import fresh_registry, make_plugin, run_gpo_all`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     # Built-ins register on first import: make that happen in the real registry, not in the throw-away one.
     registry.load_builtins()
     monkeypatch.setattr(registry, "_entries", {kind: {} for kind in registry.KINDS})
-
-
-def run_gpo(*args: str, pythonpath: list[Path] = ()) -> subprocess.CompletedProcess:
-    """`python -m gpo ARGS` in a subprocess (the real exit code and streams), with extra import paths."""
-    return run_gpo_all({"one": (list(args), pythonpath)})["one"]
 
 
 def run_gpo_all(commands: dict[str, tuple[list[str], list[Path]]]) -> dict[str, subprocess.CompletedProcess]:

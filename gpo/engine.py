@@ -295,7 +295,8 @@ class Engine:
                     bar.update(1)
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kept=f"{metrics['prune/kept_frac']:.2f}",
                                     s_step=f"{metrics['time/step']:.1f}")
-                    summary.update({k: metrics[k] for k in ("reward/mean", "prune/kept_frac") if k in metrics})
+                    summary.update({"final/reward_mean": metrics["reward/mean"],
+                                    "final/kept_frac": metrics["prune/kept_frac"]})
                     if E.every and self.step_index % E.every == 0 and self.step_index < T.steps:
                         self._validate()
                     if C.every and self.step_index % C.every == 0:
@@ -431,7 +432,7 @@ def _say(message: str) -> None:
 
 def _print_summary(run_dir: Path, final: Path, summary: dict[str, float], location: str) -> None:
     lines = [f"gpo: run finished: {run_dir}"]
-    for key in ("eval/before/accuracy", "eval/after/accuracy", "reward/mean", "prune/kept_frac", "train/seconds"):
+    for key in ("eval/before/accuracy", "eval/after/accuracy", "final/reward_mean", "final/kept_frac", "train/seconds"):
         if key in summary:
             lines.append(f"  {key:<24} {summary[key]:.4f}")
     lines.append(f"  final model              {final}")

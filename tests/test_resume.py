@@ -1,0 +1,117 @@
+"""A run killed with SIGKILL and resumed ends with the same parameters and metrics as an uninterrupted run;
+MLflow holds what the engine logged; Ctrl-C leaves a checkpoint behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+PLUGINS = Path(__file__).parent / "plugins"
+COMMON = [
+    "task=toy", "plugins=[gpo_toy]", "algo=grpo", "pruner=topk", "pruner.rate=0.5", "allocator=dynamic",
+    "train.steps=4", "train.questions_per_step=2", "train.group_size=4", "train.max_completion_length=8",
+    "train.micro_batch_size=4", "optim.lr=1e-2", "optim.warmup_ratio=0", "eval.before_and_after=false",
+    "checkpoint.every=1", "checkpoint.keep_last=2",
+]
+
+
+def gpo(args: list[str], **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-m", "gpo", "run", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def step_metrics(run_dir: Path) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs(client.get_experiment_by_name("gpo").experiment_id)
+    history = [m for run in runs for m in client.get_metric_history(run.info.run_id, "loss/total")]
+    return {m.step: m.value for m in history}
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_model_path, tmp_path):
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON]
+    finish(gpo([*base, "run_name=straight", "tracker=mlflow"]))
+
+    victim = gpo([*base, "run_name=killed", "tracker=mlflow"], start_new_session=True)
+    marker = tmp_path / "killed" / "checkpoints" / "step-0000002" / "trainer_state.json"
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert victim.poll() is None, victim.communicate()[0]
+        assert time.time() < deadline, "no checkpoint after step 2"
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert not (tmp_path / "killed" / "final").exists(), "the run must really have been killed before the end"
+
+    out = finish(gpo([*base, "run_name=killed", "tracker=mlflow", "resume=auto"]))
+    assert "resumed from" in out
+
+    straight, resumed = params(tmp_path / "straight"), params(tmp_path / "killed")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], atol=1e-6, rtol=0)
+    expected, got = step_metrics(tmp_path / "straight"), step_metrics(tmp_path / "killed")
+    assert set(expected) == {1, 2, 3, 4}
+    for step in got:  # steps logged before the kill and after the resume
+        assert got[step] == pytest.approx(expected[step], abs=1e-6)
+    assert {3, 4} <= set(got)
+    kept = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir())
+    assert kept == ["step-0000003", "step-0000004"]  # keep_last=2, no temporary directory left over
+
+
+@pytest.mark.slow
+def test_mlflow_run_holds_params_metrics_config_and_final_model(tiny_model_path, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    finish(gpo([f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON, "run_name=tracked",
+                "tracker=mlflow", "train.steps=2", "checkpoint.every=0"]))
+    run_dir = tmp_path / "tracked"
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs(client.get_experiment_by_name("gpo").experiment_id)
+    assert run.data.params["algo.name"] == "grpo" and run.data.params["pruner.rate"] == "0.5"
+    for key in ("reward/mean", "prune/kept_frac", "loss/total", "train/grad_norm", "train/lr", "time/generate",
+                "time/reward", "time/logprobs", "time/update", "tokens/generated", "tokens/trained",
+                "completion/length_mean", "zero_std_frac", "kl/mean", "clip/low_frac"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [m.step for m in history] == [1, 2], key
+    assert run.data.tags["final_model"].endswith("final")
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "config.yaml" in artifacts
+    assert run.info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_interrupt_saves_a_checkpoint(tiny_model_path, tmp_path):
+    proc = gpo([f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON, "run_name=stopped",
+                "tracker=none", "checkpoint.every=0", "train.steps=200"])
+    deadline = time.time() + 120
+    while not (tmp_path / "stopped" / "config.yaml").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    time.sleep(3)  # inside the training loop
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "interrupted: saved" in out
+    assert list((tmp_path / "stopped" / "checkpoints").glob("step-*/trainer_state.json"))

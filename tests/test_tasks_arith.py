@@ -18,6 +18,7 @@ def test_same_seed_same_problems_and_splits_differ() -> None:
 
 def test_default_is_one_digit_addition() -> None:
     for ex in Arith(ArithConfig()).load("test"):
+        assert ex["question"] == f"What is {ex['expression']}?"
         x, op, y = ex["expression"].split()
         assert op == "+" and 0 <= int(x) <= 9 and 0 <= int(y) <= 9
         assert ex["gold"] == str(int(x) + int(y))
@@ -25,7 +26,7 @@ def test_default_is_one_digit_addition() -> None:
 
 @pytest.mark.parametrize("digits, operations, operators", [(2, 3, ["+", "-", "*"]), (3, 2, ["-"]), (1, 4, ["*", "+"])])
 def test_answers_are_exact(digits: int, operations: int, operators: list[str]) -> None:
-    task = Arith(ArithConfig(digits=digits, operations=operations, operators=operators))
+    task = Arith(ArithConfig(digits=digits, operations=operations, operators=operators, style="story"))
     for ex in task.load("test"):
         # The expression is parenthesised to read left to right, so Python's precedence gives the same value.
         assert str(eval(ex["expression"])) == ex["gold"]  # noqa: S307 (our own generated arithmetic)
@@ -56,6 +57,8 @@ def test_reward_table(completion: str, fmt: float, acc: float) -> None:
 def test_bad_config_is_a_user_error() -> None:
     with pytest.raises(UserError, match="operators"):
         Arith(ArithConfig(operators=["/"]))
+    with pytest.raises(UserError, match="style"):
+        Arith(ArithConfig(style="poem"))
     with pytest.raises(UserError, match="digits"):
         Arith(ArithConfig(digits=0))
     with pytest.raises(UserError, match="unknown split"):

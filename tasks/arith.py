@@ -5,7 +5,7 @@ structure of the CPPO paper's tasks (arXiv 2503.22342: format + accuracy), but i
 because a 135M model must get a learning signal: the answer is read from an `<answer>` tag or, failing that,
 from the last number in the completion, and the format (an answer tag) carries a small weight. With one-digit
 operands SmolLM2-135M-Instruct at T=1 is right often enough that most groups of 8 are mixed (DESIGN.md);
-the plain question style ("What is 3 + 5?") is the default because the model does about three times better on it
+the plain question style ("What is 3 + 5?") is the default because at T=1 the model does about three times better on it
 than on the same sum told as a story (configs/task/arith.yaml has the figures).
 
 Each split is generated from its own seed stream (train, validation and test never share a generator seed).

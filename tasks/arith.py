@@ -9,8 +9,8 @@ the plain question style ("What is 3 + 5?") is the default because at T=1 the mo
 than on the same sum told as a story (configs/task/arith.yaml has the figures).
 
 Each split is generated from its own seed stream (train, validation and test never share a generator seed).
-One-digit problems span only a few hundred distinct sums, so splits share sums but not wordings; raise
-`digits` or `operations` for a held-out test of skill rather than of recall.
+One-digit additions have only 100 distinct questions, so the splits overlap (in the story style they share sums
+but not wordings); raise `digits` or `operations` for a held-out test of skill rather than of recall.
 """
 
 from __future__ import annotations

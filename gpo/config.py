@@ -12,6 +12,8 @@ the closest valid key, before any model or dataset is touched.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import typing
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -273,10 +275,19 @@ def _field_type(schema: type, dotted: str) -> str:
         if part not in fields:
             return ""
         if i == len(parts) - 1:
-            t = fields[part].type
+            t = _resolved_hints(cls).get(part, fields[part].type)
+            if isinstance(t, type) and issubclass(t, enum.Enum):  # name the choices, not the enum class
+                return "one of " + ", ".join(str(m.value) for m in t)
             return t if isinstance(t, str) else getattr(t, "__name__", str(t))
         cls = _dataclass_of(fields[part])
     return ""
+
+
+def _resolved_hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # an annotation that cannot be resolved: fall back to the field's own (string) type
+        return {}
 
 
 def _plain(value: Any) -> Any:

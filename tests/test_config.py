@@ -165,6 +165,13 @@ def test_a_wrong_type_names_the_key_the_value_and_the_expected_type(tree):
     assert _error(["optim.betas=3"]) == "`optim.betas` has the wrong type: expected list[float], got 3."
 
 
+def test_a_wrong_enum_value_lists_the_choices():
+    # Against the real registry: the topk pruner's `scope` is an Enum of three scopes.
+    assert _error(["pruner=topk", "pruner.scope=grup"]) == (
+        "`pruner.scope` has the wrong type: expected one of group, rank, global, got 'grup'."
+    )
+
+
 def test_a_value_where_a_section_belongs_says_so(tree):
     assert _error(["train=3"]).startswith("`train` is a section, not a value (got 3); set its keys instead")
     scalar = _write(tree / "scalar.yaml", "pruner: 3\n")

@@ -275,9 +275,10 @@ def _field_type(schema: type, dotted: str) -> str:
         if part not in fields:
             return ""
         if i == len(parts) - 1:
-            t = _resolved_hints(cls).get(part, fields[part].type)
-            if isinstance(t, type) and issubclass(t, enum.Enum):  # name the choices, not the enum class
-                return "one of " + ", ".join(str(m.value) for m in t)
+            resolved = _resolved_hints(cls).get(part)
+            if isinstance(resolved, type) and issubclass(resolved, enum.Enum):  # name the choices, not the class
+                return "one of " + ", ".join(str(m.value) for m in resolved)
+            t = fields[part].type
             return t if isinstance(t, str) else getattr(t, "__name__", str(t))
         cls = _dataclass_of(fields[part])
     return ""

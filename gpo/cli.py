@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
                     "examples:\n  gpo study algo=grpo,dapo pruner=none,topk pruner.rate=0.5,0.75 task=arith "
                     "train.steps=30\n  gpo study experiment=NAME\n")
     overrides(study)
+    study.add_argument("--baseline", metavar="'K=V ...'",
+                       help="the run speed-ups are measured against, by its settings (default: the first run)")
 
     rep = command("report", _report, "rebuild a study table and plots from existing MLflow runs")
     rep.add_argument("run_ids", nargs="+", metavar="RUN_ID")
@@ -116,6 +118,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
+    from gpo import launch
+    from gpo.config import section
+
+    engine = section(cfg, "engine")
+    if launch.needs_launch(engine):
+        return launch.relaunch(engine, [*args.args, *(f for c in args.config for f in ("--config", c))])
     from gpo.engine import train
 
     train(cfg)
@@ -163,7 +171,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _study(args: argparse.Namespace) -> int:
     from gpo.study import study_from_args
 
-    return study_from_args(args.args, args.config)
+    return study_from_args(args.args, args.config, baseline=args.baseline)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -34,6 +34,8 @@ class DAPOConfig:
     kl_estimator: str = "k3"  # used only when beta > 0
     kl_clamp: float | None = None
     dual_clip: float | None = None  # verl's DAPO recipe sets 10; the paper does not use it
+    is_correction: str = "token"  # token | sequence | none: weigh losses by min(pi_old / pi_sampler, is_cap)
+    is_cap: float = 2.0  # truncation of those weights; they apply only with a backend that reports log-probs (vllm)
     std_eps: float = 1e-6  # verl's value (the paper's code)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal
     overlong_penalty: bool = True  # soft overlong punishment added to the reward

@@ -30,6 +30,8 @@ class DrGRPOConfig:
     kl_estimator: str = "k3"  # used only when beta > 0
     kl_clamp: float | None = None
     dual_clip: float | None = None
+    is_correction: str = "token"  # token | sequence | none: weigh losses by min(pi_old / pi_sampler, is_cap)
+    is_cap: float = 2.0  # truncation of those weights; they apply only with a backend that reports log-probs (vllm)
     loss_normalizer: int | None = None  # the constant token sums are divided by; null: max_completion_length
 
 

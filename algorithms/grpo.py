@@ -28,6 +28,8 @@ class GRPOConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3 (the paper's unbiased estimator)
     kl_clamp: float | None = None  # bound the per-token KL estimate (verl low_var_kl: 10)
     dual_clip: float | None = None  # cap negative-advantage token losses at -A*c (verl: 3); off in the paper
+    is_correction: str = "token"  # token | sequence | none: weigh losses by min(pi_old / pi_sampler, is_cap)
+    is_cap: float = 2.0  # truncation of those weights; they apply only with a backend that reports log-probs (vllm)
     std_eps: float = 1e-4  # advantage = (r - mean) / (std + std_eps), TRL's value
     loss_agg: str = "seq_mean"  # seq_mean (paper) | token_mean (CPPO code, TRL bnpo; global token count)
 

@@ -152,6 +152,31 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3", clamp: flo
     return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
+IS_LEVELS = ("token", "sequence", "none")
+
+
+def truncated_is_weights(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float,
+                         level: str = "token") -> tuple[Tensor, Tensor]:
+    """Truncated importance weights w = min(pi_old / pi_sampler, cap) for the generator/trainer mismatch.
+
+    A separate generator (vLLM) samples from pi_sampler, which differs slightly from the trainer's pi_old (other
+    kernels, precision). Weighting each token's loss by pi_old / pi_sampler makes the gradient that of pi_old's
+    samples again; truncating at `cap` bounds its variance (TIS, as verl and TRL apply it).
+    `token`: one ratio per token. `sequence`: the product of a row's token ratios, on every token of the row.
+    trainer_logp, sampler_logp, mask: [n, L]. Returns (weights [n, L], clipped bool [n, L]), without gradient.
+    """
+    if level not in IS_LEVELS[:2]:
+        raise UserError(f"importance sampling level must be `token` or `sequence`, got `{level}`.")
+    m = mask.bool()
+    log_ratio = (trainer_logp.detach() - sampler_logp.to(trainer_logp.dtype)).masked_fill(~m, 0.0)  # [n, L]
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)  # [n, L]
+    log_cap = math.log(cap)
+    # Truncate in log space: a long sequence's product of ratios could overflow before the min.
+    weights = torch.exp(log_ratio.clamp(max=log_cap))  # [n, L]
+    return weights, (log_ratio > log_cap) & m
+
+
 # --- aggregation: a micro-batch's share of the step loss ---------------------------------------------------------
 
 Aggregation = Callable[[Tensor, Tensor, StepTotals], Tensor]
@@ -197,6 +222,8 @@ class PolicyLoss:
     kl_estimator: str = "k3"
     kl_clamp: float | None = None
     dual_clip: float | None = None
+    is_correction: str = "token"  # token | sequence | none; acts only on batches with sampler_logprobs
+    is_cap: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.eps_low < 1:
@@ -213,12 +240,17 @@ class PolicyLoss:
             raise UserError(f"algo.kl_clamp must be > 0 or null, got {self.kl_clamp}.")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise UserError(f"algo.dual_clip must be > 1 or null (verl uses 3), got {self.dual_clip}.")
+        if self.is_correction not in IS_LEVELS:
+            raise UserError(f"algo.is_correction must be one of {', '.join(IS_LEVELS)}, got `{self.is_correction}`.")
+        if not self.is_cap >= 1:
+            raise UserError(f"algo.is_cap (truncation of the importance weights) must be >= 1, got {self.is_cap}.")
 
     @classmethod
     def from_config(cls, cfg: Any) -> PolicyLoss:
         """From an objective's config; every objective names these settings alike (the errors quote `algo.*`)."""
         return cls(eps_low=cfg.epsilon_low, eps_high=cfg.epsilon_high, beta=cfg.beta,
-                   kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip)
+                   kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
+                   is_correction=cfg.is_correction, is_cap=cfg.is_cap)
 
     def __call__(
         self, logp: Tensor, batch: RolloutBatch, mask: Tensor, totals: StepTotals, aggregate: Aggregation,
@@ -236,9 +268,16 @@ class PolicyLoss:
         surrogate = clipped_surrogate(
             logp, old, batch.advantages, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip
         )
-        policy = aggregate(surrogate.loss, m, totals)
+        per_token = surrogate.loss  # [n, L]
         tokens = max(totals.tokens, 1)
-        metrics = {
+        metrics = {}
+        if self.is_correction != "none" and batch.sampler_logprobs is not None:
+            weights, clipped = truncated_is_weights(old, batch.sampler_logprobs, m, self.is_cap, self.is_correction)
+            per_token = per_token * weights
+            metrics["is/weight_mean"] = torch.where(m, weights, 0.0).sum() / tokens
+            metrics["is/clipped_frac"] = clipped.sum() / tokens
+        policy = aggregate(per_token, m, totals)
+        metrics |= {
             "clip/low_frac": (surrogate.low_clipped & m).sum() / tokens,
             "clip/high_frac": (surrogate.high_clipped & m).sum() / tokens,
             "ratio/mean": torch.where(m, surrogate.ratio, 0.0).sum() / tokens,

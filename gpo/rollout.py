@@ -51,6 +51,8 @@ def generate(backend: Backend, prompts: list[list[int]], n: int, sampling: Sampl
     completion_ids, generated = pad(completions, pad_token_id, left=False)  # [N, L]
     lengths = generated.sum(dim=1)
     mask = completion_mask(completion_ids, eos_token_id, lengths)  # [N, L]
+    reported = backend.sampled_logprobs()
+    sampler_logprobs = None if reported is None else _pad_floats(reported, completion_ids.shape[1])  # [N, L]
     has_eos = ((completion_ids == eos_token_id) & (generated > 0)).any(dim=1)
     N = len(completions)
     return RolloutBatch(
@@ -63,4 +65,13 @@ def generate(backend: Backend, prompts: list[list[int]], n: int, sampling: Sampl
         advantages=torch.zeros(N),
         truncated=~has_eos,
         owner_rank=torch.full((N,), rank, dtype=torch.long),
+        sampler_logprobs=sampler_logprobs,
     ).trimmed()
+
+
+def _pad_floats(rows: list[list[float]], width: int) -> Tensor:
+    """Per-token floats right-padded with 0 to `width` columns: [len(rows), width] float32."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out

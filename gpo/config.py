@@ -29,6 +29,7 @@ CONFIG_ROOT = Path(str(files("gpo.configs")))
 COMPONENT_GROUPS = registry.KINDS
 PLAIN_GROUPS = ("model", "engine")
 GROUPS = COMPONENT_GROUPS + PLAIN_GROUPS + ("experiment",)
+STUDY_KEYS = ("grid", "baseline")  # top-level keys of a study's experiment; gpo.study takes them out before composing
 
 
 # --- schemas of the sections that are not registered components ---------------------------------------------
@@ -173,6 +174,9 @@ def validate(cfg: DictConfig) -> DictConfig:
     """Check every section; return a config whose values have their schema types."""
     top = {f.name for f in dataclasses.fields(RunSchema)} | set(COMPONENT_GROUPS)
     for key in cfg:
+        if key in STUDY_KEYS:
+            raise UserError(f"`{key}` is read by `gpo study` (a grid of runs), not by a single run: run this "
+                            "experiment or file with `gpo study`.")
         if key not in top:
             raise UserError(f"unknown key `{key}`." + did_you_mean(str(key), top) + _valid_keys_hint(top))
     plain = {k: v for k, v in cfg.items() if k not in COMPONENT_GROUPS}

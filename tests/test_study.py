@@ -99,6 +99,21 @@ def test_a_config_file_carries_a_grid_and_a_baseline_and_the_command_line_wins(t
     assert p.baseline == 0 and all(r.cfg.optim.lr == 3e-6 for r in p.runs)
 
 
+def test_an_experiment_is_a_layer_under_the_grid():
+    p = plan(["experiment=smoke", "pruner=none,topk", *TOY])
+    assert [r.combination for r in p.runs] == ["pruner=none", "pruner=topk"]
+    assert all(r.cfg.train.steps == 2 and r.cfg.train.group_size == 4 for r in p.runs)  # smoke's values
+
+
+def test_a_single_run_refuses_a_study_file(tmp_path):
+    from gpo.config import compose
+
+    f = tmp_path / "grid.yaml"
+    f.write_text(yaml.safe_dump({"grid": {"pruner": ["none", "topk"]}}))
+    with pytest.raises(UserError, match="`grid` is read by `gpo study`"):
+        compose([], [f])
+
+
 @pytest.mark.parametrize("grid,message", [
     ([1, 2], "must be a mapping"),
     ({"pruner.rate": 0.5}, "non-empty list"),

@@ -13,7 +13,7 @@ import signal
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
 from gpo.models import load_policy, load_tokenizer
 from gpo.ops import advantage_metrics
+from gpo.parallel import (accumulating, build_accelerator, full_state_dict, gathered, prepare_policy,
+                          prepare_reference)
 from gpo.pruners.metrics import prune_metrics
 from gpo.rollout import encode_prompts, generate
 from gpo.sampler import QuestionStream
@@ -37,7 +39,6 @@ from gpo.types import RolloutBatch, Sampling, StepTotals
 
 class Engine:
     def __init__(self, cfg: DictConfig) -> None:
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.cfg = cfg
@@ -47,7 +48,7 @@ class Engine:
         T = self.train_cfg
         if T.group_size < 2:
             raise UserError(f"train.group_size must be >= 2 (group-relative advantages), got {T.group_size}.")
-        self.accelerator = Accelerator(mixed_precision=engine_cfg.mixed_precision, cpu=not torch.cuda.is_available())
+        self.accelerator = build_accelerator(engine_cfg, T, self.optim_cfg)
         self.rank, self.world_size = world()
         set_seed(cfg.seed)
         self.run_name = cfg.run_name or "-".join(
@@ -66,8 +67,8 @@ class Engine:
         self.backend = self._build("backend", model=self.policy, tokenizer=self.tokenizer)
         self.ref = None  # loaded only when the objective uses a KL term
         if self.objective.needs_ref_logprobs:
-            ref_model = load_policy(model_cfg, trainable=False).to(self.accelerator.device)
-            self.ref = TokenLogprobs(ref_model, T.logprob_chunk_size)
+            ref_model = load_policy(model_cfg, trainable=False)
+            self.ref = prepare_reference(self.accelerator, TokenLogprobs(ref_model, T.logprob_chunk_size))
         self.sampling = Sampling(max_new_tokens=T.max_completion_length, temperature=T.temperature, top_p=T.top_p)
 
         O = self.optim_cfg
@@ -75,7 +76,9 @@ class Engine:
             [p for p in self.policy.parameters() if p.requires_grad],
             lr=O.lr, betas=tuple(O.betas), eps=O.eps, weight_decay=O.weight_decay,
         )
-        self.module, self.optimizer = self.accelerator.prepare(TokenLogprobs(self.policy, T.logprob_chunk_size), optimizer)
+        self.module, self.optimizer = prepare_policy(
+            self.accelerator, TokenLogprobs(self.policy, T.logprob_chunk_size), optimizer
+        )
         self.scheduler = _scheduler(self.optimizer, O.schedule, O.warmup_ratio, total=T.steps * T.mu)
         self.accelerator.register_for_checkpointing(self.scheduler)
 
@@ -128,10 +131,12 @@ class Engine:
         examples = self.questions.take(n_questions)  # the same questions, in the same order, on every rank
         share = n_questions // self.world_size
         mine = examples[self.rank * share : (self.rank + 1) * share]
-        with timer("generate"):
+        with timer("generate"), gathered(self.accelerator, self.policy):
             prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine], self.train_cfg.max_prompt_length)
+            # Seeded by the global index of this rank's first question (backends offset the seed per prompt), so
+            # the step's samples do not depend on how many ranks share the generation.
             local = generate(
-                self.backend, prompts, G, self.sampling, seed=self._seed(round_index),
+                self.backend, prompts, G, self.sampling, seed=self._seed(round_index) + self.rank * share,
                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
             )
         with timer("reward"):
@@ -170,8 +175,7 @@ class Engine:
         for _ in range(T.mu):
             parts = list(micro_batches(kept, T.micro_batch_size))
             for i, mb in enumerate(parts):
-                last = i == len(parts) - 1
-                with nullcontext() if last else self.accelerator.no_sync(self.module):
+                with accumulating(self.accelerator, self.module, last=i == len(parts) - 1):
                     mb = mb.to(device)
                     logp = self.module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                        T.temperature)
@@ -210,8 +214,8 @@ class Engine:
         return out
 
     def _seed(self, round_index: int) -> int:
-        """Generation seed: a function of (run seed, step, round, rank) only, so a resumed run samples the same."""
-        return (self.cfg.seed * 1_000_003 + self.step_index * 1009 + round_index * 31 + self.rank) % (2**31)
+        """Generation seed: a function of (run seed, step, round) only, so a resumed run samples the same."""
+        return (self.cfg.seed * 1_000_003 + self.step_index * 1009 + round_index * 31) % (2**31)
 
     def _build(self, kind: str, **context: Any) -> Any:
         return registry.get(kind, self.cfg[kind].name).build(to_object(kind, self.cfg[kind]), **context)
@@ -225,8 +229,9 @@ class Engine:
         examples = list(self.task.load(E.split))
         examples = examples[: E.limit] if E.limit else examples
         sampling = Sampling(max_new_tokens=E.max_new_tokens or self.train_cfg.max_completion_length, greedy=True)
-        _, summary = evaluate(self.policy, self.tokenizer, self.backend, self.task, examples, sampling, E.batch_size,
-                              self.train_cfg.max_prompt_length)
+        with gathered(self.accelerator, self.policy):
+            _, summary = evaluate(self.policy, self.tokenizer, self.backend, self.task, examples, sampling,
+                                  E.batch_size, self.train_cfg.max_prompt_length)
         return {f"eval/{tag}/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def save(self) -> Path:
@@ -248,11 +253,12 @@ class Engine:
 
     def save_model(self, name: str) -> Path:
         target = self.run_dir / name
+        state = full_state_dict(self.accelerator, self.module)  # collective under ZeRO-3: every rank calls it
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(self.module).model
             if hasattr(model, "merge_and_unload"):  # LoRA: ship a plain model that any backend can load
                 model = model.merge_and_unload()
-            model.save_pretrained(target)
+            model.save_pretrained(target, state_dict=state)
             self.tokenizer.save_pretrained(target)
         self.accelerator.wait_for_everyone()
         return target
@@ -277,8 +283,9 @@ class Engine:
         if path is not None:
             self.restore(path)
             _say(f"resumed from {path} at step {self.step_index}")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        if self.accelerator.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         self.tracker.start(self.run_name, _flatten(OmegaConf.to_container(self.cfg, resolve=True)), to_yaml(self.cfg))
         summary: dict[str, float] = {}
         started = time.perf_counter()

@@ -1,0 +1,162 @@
+"""Per-process wiring to Accelerate and DeepSpeed: the Accelerator, gradient accumulation, the reference model,
+generation and saving under ZeRO-3.
+
+The engine stays strategy-blind: it asks this module for an Accelerator, accumulates micro-batches through
+`accumulating`, generates inside `gathered`, and saves `full_state_dict`. What differs between plain DDP and
+DeepSpeed ZeRO-2/3 lives here:
+
+- Gradient accumulation. Accelerate's DeepSpeed wrapper runs `engine.step()` (clip + optimizer step + zero grad)
+  inside every `accelerator.backward` while `sync_gradients` is true, and `accelerator.no_sync` does nothing
+  under ZeRO >= 2. The engine loops micro-batches itself, so `accumulating` lowers `sync_gradients` for all but
+  the last micro-batch: DeepSpeed then accumulates and steps exactly once per optimizer step, clipping with
+  `gradient_clipping` = optim.max_grad_norm (its `optimizer.step()` / `zero_grad()` wrappers are no-ops).
+- ZeRO-3 partitions every parameter. `TokenLogprobs` reads the output head's weight directly (not through the
+  head's forward), so that weight is registered as an external parameter of the wrapper, which makes DeepSpeed
+  gather it for the wrapper's forward and backward. `generate` runs many small forwards: all parameters are
+  gathered once for the whole call instead of layer by layer per token.
+- The reference model under ZeRO-3 is sharded too, as an inference-only DeepSpeed engine: with zero.Init active
+  (Accelerate turns it on for ZeRO-3), `from_pretrained` already partitions it at load time, and a second full
+  copy per rank is exactly the memory ZeRO-3 is chosen to save. Under DDP and ZeRO-2 parameters are replicated
+  anyway, so the reference stays a plain frozen model in eval mode on each rank's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpo.config import EngineConfig, OptimConfig, TrainConfig
+from gpo.errors import UserError
+
+STAGES = (0, 2, 3)
+PRECISIONS = ("no", "bf16", "fp16")
+
+
+def deepspeed_config(engine: EngineConfig, train: TrainConfig, optim: OptimConfig, world_size: int) -> dict:
+    """The DeepSpeed config for engine.deepspeed_stage. DeepSpeed insists on consistent batch sizes although the
+    engine drives accumulation itself: one micro-batch per DeepSpeed step, boundaries set by `accumulating`."""
+    zero: dict[str, Any] = {"stage": engine.deepspeed_stage}
+    if engine.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if engine.deepspeed_stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    if engine.deepspeed_stage == 3:
+        # save_model gathers the full weights through accelerator.get_state_dict.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": train.micro_batch_size * world_size,
+        "gradient_clipping": optim.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": engine.mixed_precision == "bf16"},
+        "fp16": {"enabled": engine.mixed_precision == "fp16"},
+        # gpo's own AdamW (torch) as the client optimizer, also when the optimizer state is offloaded.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # gpo logs its own metrics
+    }
+
+
+def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConfig) -> Any:
+    from accelerate import Accelerator
+
+    if engine.deepspeed_stage not in STAGES:
+        raise UserError(f"engine.deepspeed_stage must be one of {', '.join(map(str, STAGES))}, "
+                        f"got {engine.deepspeed_stage}.")
+    if engine.mixed_precision not in PRECISIONS:
+        raise UserError(f"engine.mixed_precision must be one of {', '.join(PRECISIONS)}, "
+                        f"got `{engine.mixed_precision}`.")
+    cpu = not torch.cuda.is_available()
+    if engine.offload and engine.deepspeed_stage == 0:
+        raise UserError("engine.offload needs DeepSpeed: set engine.deepspeed_stage=2 or 3 (engine=zero2 / zero3).")
+    if engine.deepspeed_stage == 0:
+        return Accelerator(mixed_precision=engine.mixed_precision, cpu=cpu)
+    if cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed looks for CUDA otherwise
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise UserError("engine.deepspeed_stage > 0 needs DeepSpeed: pip install 'gpo[deepspeed]'.") from None
+    from accelerate.utils import DeepSpeedPlugin
+
+    # Under a DeepSpeed launch Accelerate's own process count can read 1; the launcher's WORLD_SIZE is the truth.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(engine, train, optim, world_size),
+                             zero3_init_flag=engine.deepspeed_stage == 3)
+    return Accelerator(mixed_precision=engine.mixed_precision, deepspeed_plugin=plugin)
+
+
+def zero3(accelerator: Any) -> bool:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def prepare_policy(accelerator: Any, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+    """accelerator.prepare, after telling ZeRO-3 that the log-prob wrapper uses the head's weight directly."""
+    if zero3(accelerator):
+        _register_head(module)
+    return accelerator.prepare(module, optimizer)
+
+
+def prepare_reference(accelerator: Any, module: nn.Module) -> Any:
+    """The frozen reference log-prob module: sharded as an inference engine under ZeRO-3, else on the device."""
+    if not zero3(accelerator):
+        return module.to(accelerator.device).eval()
+    import deepspeed
+
+    _register_head(module)
+    config = {k: v for k, v in accelerator.state.deepspeed_plugin.deepspeed_config.items()
+              if k in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+                       "zero_optimization", "bf16", "fp16")}
+    config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
+    engine, *_ = deepspeed.initialize(model=module, config=config)
+    return engine.eval()
+
+
+@contextlib.contextmanager
+def accumulating(accelerator: Any, module: Any, last: bool) -> Iterator[None]:
+    """One micro-batch's forward and backward; gradients are reduced and the optimizer steps only when `last`."""
+    if accelerator.state.deepspeed_plugin is None:
+        with contextlib.nullcontext() if last else accelerator.no_sync(module):
+            yield
+        return
+    # DeepSpeed: Accelerate's backward sets the accumulation boundary and steps from `sync_gradients`.
+    accelerator.gradient_state._set_sync_gradients(last)
+    try:
+        yield
+    finally:
+        accelerator.gradient_state._set_sync_gradients(True)
+
+
+@contextlib.contextmanager
+def gathered(accelerator: Any, model: nn.Module) -> Iterator[None]:
+    """Full parameters for the duration (ZeRO-3 generation and evaluation); nothing to do otherwise."""
+    if not zero3(accelerator):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        yield
+
+
+def full_state_dict(accelerator: Any, module: Any) -> dict[str, torch.Tensor] | None:
+    """The policy's full weights (keys as `save_pretrained` writes them). Every rank must call it: ZeRO-3 gathers
+    the shards collectively. None where nothing differs from the model's own state (DDP, ZeRO-2)."""
+    if accelerator.state.deepspeed_plugin is None or not zero3(accelerator):
+        return None
+    state = accelerator.get_state_dict(module)
+    prefix = "model."  # TokenLogprobs keeps the causal LM as `.model`
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} if state else state
+
+
+def _register_head(module: nn.Module) -> None:
+    from deepspeed.zero import register_external_parameter
+
+    register_external_parameter(module, module.model.get_output_embeddings().weight)

@@ -1,0 +1,67 @@
+"""`gpo run ... engine.num_processes=N`: start N ranks under `accelerate launch` running the same command.
+
+The launched processes see WORLD_SIZE (set by torch's elastic launcher), so they train instead of launching
+again; `accelerate launch -m gpo run ...` by hand reaches the same place. On CPU the ranks talk over gloo: the
+launcher gets `--multi_gpu` (its only multi-process mode besides DeepSpeed; `--cpu` would start a single
+process) with ACCELERATE_USE_CPU=true, and DeepSpeed gets DS_ACCELERATOR=cpu. On GPUs it is one process per
+device.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+from gpo.config import EngineConfig
+from gpo.errors import UserError
+
+
+def launched() -> bool:
+    """True inside a rank started by a distributed launcher (accelerate launch, torchrun, deepspeed)."""
+    return "WORLD_SIZE" in os.environ
+
+
+def needs_launch(engine: EngineConfig) -> bool:
+    if engine.num_processes < 1:
+        raise UserError(f"engine.num_processes must be >= 1, got {engine.num_processes}.")
+    return engine.num_processes > 1 and not launched()
+
+
+def command(engine: EngineConfig, gpo_args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The `accelerate launch` command line and environment that run `gpo run gpo_args` on every rank."""
+    n = engine.num_processes
+    env = dict(os.environ)
+    cpu = not torch.cuda.is_available()
+    if not cpu and torch.cuda.device_count() < n:
+        raise UserError(f"engine.num_processes={n} asks for one process per GPU, but only "
+                        f"{torch.cuda.device_count()} GPU(s) are visible.")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
+              "--mixed_precision", engine.mixed_precision, "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port())]
+    if engine.deepspeed_stage:
+        launch += ["--use_deepspeed", "--zero_stage", str(engine.deepspeed_stage)]
+        if cpu:
+            env["DS_ACCELERATOR"] = "cpu"
+    else:
+        launch.append("--multi_gpu")
+        if cpu:
+            env["ACCELERATE_USE_CPU"] = "true"
+    return [*launch, "-m", "gpo", "run", *gpo_args], env
+
+
+def relaunch(engine: EngineConfig, gpo_args: list[str]) -> int:
+    """Run the ranks and wait; the exit status is the launcher's (non-zero if any rank failed)."""
+    cmd, env = command(engine, gpo_args)
+    print(f"gpo: launching {engine.num_processes} processes: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def _free_port() -> int:
+    """A port nobody listens on now, so two multi-process runs on one machine do not collide on the default."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

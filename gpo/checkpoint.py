@@ -30,6 +30,7 @@ def save(accelerator: Any, root: Path, step: int, state: dict[str, Any], keep_la
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=False)  # tied embeddings: safetensors refuses shared storage
+    accelerator.wait_for_everyone()  # every rank writes its own RNG state (and ZeRO shards) before the rename
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2))
         shutil.rmtree(target, ignore_errors=True)

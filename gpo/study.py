@@ -27,7 +27,6 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import math
 import os
 import re
 import subprocess
@@ -111,7 +110,7 @@ def split_values(text: str) -> list[str]:
 
 def parse_spec(args: list[str], config_files: list[str | Path] = (), baseline: str | None = None) -> Spec:
     """Separate grid axes from fixed arguments; read `grid:`/`baseline:` out of experiment and --config files."""
-    from gpo.config import CONFIG_ROOT, choices
+    from gpo.config import _group_file  # the composer's own lookup, with its message for unknown names
 
     layers, file_axes, file_baseline = [], [], None
     rest = []
@@ -120,11 +119,7 @@ def parse_spec(args: list[str], config_files: list[str | Path] = (), baseline: s
         if key == "experiment" and sep:
             if "," in value:
                 raise UserError("experiment cannot be a grid axis: put a `grid:` mapping in the experiment instead.")
-            path = CONFIG_ROOT / "experiment" / f"{value}.yaml"
-            if not path.is_file():
-                raise UserError(f"unknown experiment `{value}`. Valid choices: {', '.join(choices('experiment'))}."
-                                + did_you_mean(value, choices("experiment")))
-            layers.append(path)
+            layers.append(_group_file("experiment", value))
         else:
             rest.append(arg)
     layers += [Path(p).expanduser() for p in config_files]
@@ -139,7 +134,7 @@ def parse_spec(args: list[str], config_files: list[str | Path] = (), baseline: s
             file_baseline = _settings_of(node.pop("baseline"), f"`baseline` in {path}")
         contents.append(node)
 
-    fixed, cli_axes = [], []
+    fixed, cli_axes, cli_keys = [], [], set()
     for arg in rest:
         key, sep, value = arg.partition("=")
         if not sep or not key:
@@ -147,14 +142,14 @@ def parse_spec(args: list[str], config_files: list[str | Path] = (), baseline: s
         values = split_values(value)
         if any(v == "" for v in values):
             raise UserError(f"`{arg}`: empty value in a comma-separated list.")
-        if key in (k for k, _ in cli_axes):
-            raise UserError(f"`{key}` is given twice.")
+        if key in cli_keys:
+            raise UserError(f"`{key}` is given twice: list its values once, comma-separated.")
+        cli_keys.add(key)
         if len(values) > 1:
             cli_axes.append((key, values))
         else:
             fixed.append(arg)
     # The command line wins over the files (as in `gpo run`): its value or axis replaces a file's axis.
-    cli_keys = {a.partition("=")[0] for a in fixed} | {k for k, _ in cli_axes}
     axes = [(k, v) for k, v in file_axes if k not in cli_keys] + cli_axes
     for key, _ in axes:
         if key.split(".")[0] in RESERVED:
@@ -190,8 +185,8 @@ def plan(args: list[str], config_files: list[str | Path] = (), baseline: str | N
         fingerprint = json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
         if fingerprint in seen:
             original = " ".join(f"{k}={v}" for k, v in combo)
-            notes.append(f"`{original}` is the same run as `{seen[fingerprint].combination}` once inapplicable "
-                         "overrides are dropped: it runs once.")
+            notes.append(f"`{original}` resolves to the same config as `{seen[fingerprint].combination}`: "
+                         "it runs once.")
             continue
         settings = {k: v for k, _, v in (a.partition("=") for a in kept_args)}
         seen[fingerprint] = PlannedRun(index=len(runs) + 1, combination=label, settings=settings, cfg=cfg)
@@ -297,14 +292,12 @@ def _picked_components(args: list[str], layers: list[dict]) -> dict[str, str]:
 
 
 def _applicable_args(args: list[str], names: dict[str, str]) -> tuple[list[str], dict[str, tuple[str, str]]]:
-    from gpo.config import split_args
-
-    picks = split_args(args)[0]
+    """Drop `kind.field=...` where the picked component of that kind has no such field; keep everything else."""
     kept, dropped = [], {}
     for arg in args:
         key = arg.partition("=")[0]
         kind, _, rest = key.partition(".")
-        if key in picks or kind not in names or not rest or rest.split(".")[0] in _fields(kind, names[kind]):
+        if kind not in names or not rest or rest.split(".")[0] in _fields(kind, names[kind]):
             kept.append(arg)
         else:
             dropped[key] = (kind, names[kind])
@@ -363,7 +356,10 @@ def study_from_args(args: list[str], config_files: list[str] = (), baseline: str
     the_plan = plan(list(args), list(config_files), baseline)
     first = the_plan.runs[0].cfg
     study_dir = _new_dir(Path(first.output_dir), "study-" + time.strftime("%Y%m%d-%H%M%S"))
-    tracker = first.tracker if first.tracker.name == "mlflow" else OmegaConf.create({"name": "mlflow"})
+    tracker = first.tracker
+    if tracker.name != "mlflow":
+        _say(f"a study tracks every run in one MLflow store: tracker `{tracker.name}` is replaced by mlflow.")
+        tracker = OmegaConf.create({"name": "mlflow"})
     uri = tracker.get("uri") or f"sqlite:///{(study_dir / 'mlflow.db').resolve()}"
     experiment = tracker.get("experiment") or "gpo"
     _say(f"study of {len(the_plan.runs)} runs in {study_dir}")
@@ -411,8 +407,8 @@ def _study_config(run: PlannedRun, the_plan: Plan, study_dir: Path, uri: str, ex
     slug = re.sub(r"[^\w.=-]+", "_", run.combination)[:80]
     cfg.run_name = f"{run.index:02d}-{slug}"
     cfg.output_dir = str(study_dir)
-    tags = {**(OmegaConf.to_container(tracker.tags) if tracker.get("tags") else {}), TAG_PARENT: parent, TAG_INDEX: str(run.index),
-            TAG_COMBINATION: run.combination}
+    tags = {**(OmegaConf.to_container(tracker.tags) if tracker.get("tags") else {}),
+            TAG_PARENT: parent, TAG_INDEX: str(run.index), TAG_COMBINATION: run.combination}
     if run.index - 1 == the_plan.baseline:
         tags[TAG_BASELINE] = "true"
     kept = {k: v for k, v in OmegaConf.to_container(tracker).items() if k not in ("uri", "parent_run_id", "tags")}
@@ -526,6 +522,15 @@ def _chunks(items: list, size: int) -> list[list]:
 
 def _store(uri: str, experiment: str, study_dir: Path) -> tuple[Any, str]:
     """The study's MLflow client and experiment; a new experiment keeps its artifacts inside the study directory."""
+    client = _client(uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is not None:
+        return client, found.experiment_id
+    artifacts = (study_dir / "mlartifacts").resolve().as_uri()
+    return client, client.create_experiment(experiment, artifact_location=artifacts)
+
+
+def _client(uri: str) -> Any:
     import warnings
 
     from mlflow.tracking import MlflowClient
@@ -533,10 +538,8 @@ def _store(uri: str, experiment: str, study_dir: Path) -> tuple[Any, str]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*noload.*")  # SQLAlchemy, inside MLflow's own store
         client = MlflowClient(tracking_uri=uri)
-        found = client.get_experiment_by_name(experiment)
-    if found is not None:
-        return client, found.experiment_id
-    return client, client.create_experiment(experiment, artifact_location=(study_dir / "mlartifacts").resolve().as_uri())
+        client.search_experiments(max_results=1)  # opens the store now, inside the filter
+    return client
 
 
 def _new_dir(root: Path, name: str) -> Path:
@@ -614,12 +617,17 @@ def table(records: list[RunRecord]) -> list[dict[str, Any]]:
             "wall_s": r.metrics.get("train/seconds"),  # the whole run: evaluation before and after, saving
             "run_id": r.run_id,
         })
-    base = next((row for row, r in zip(rows, records) if r.baseline), rows[0] if rows else None)
+    base = rows[_baseline_of(records)] if rows else None
     if base is not None and base["status"] == "FINISHED" and base["train_s"]:
         for row in rows:
             if row["status"] == "FINISHED" and row["train_s"]:
                 row["speedup"] = base["train_s"] / row["train_s"]
     return rows
+
+
+def _baseline_of(records: list[RunRecord]) -> int:
+    """The run speed-ups are measured against: the one a study tagged, else the first."""
+    return next((i for i, r in enumerate(records) if r.baseline), 0)
 
 
 def write_outputs(records: list[RunRecord], out_dir: Path, title: str, notes: list[str] = ()) -> list[Path]:
@@ -631,7 +639,7 @@ def write_outputs(records: list[RunRecord], out_dir: Path, title: str, notes: li
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows([{k: "" if v is None else v for k, v in row.items()} for row in rows])
-    base = next((r.combination or r.name for r in records if r.baseline), None) or (rows[0]["combination"] if rows else "")
+    base = rows[_baseline_of(records)]["combination"] if rows else ""
     plots = [_plot_reward_vs_time(records, out_dir / PLOTS[0]), _plot_accuracy_vs_speedup(rows, out_dir / PLOTS[1])]
     lines = [f"# {title}", "", *[f"- {n}" for n in notes], f"- Baseline for speed-ups: `{base}`. train_s sums the "
              "per-step times (evaluation and saving excluded); wall_s is the whole run.", "", _markdown(rows), ""]
@@ -713,17 +721,16 @@ def _plot_accuracy_vs_speedup(rows: list[dict[str, Any]], path: Path) -> Path:
 def report(run_ids: list[str], tracking_uri: str | None = None, out_dir: str | Path = "report") -> list[Path]:
     """`gpo report RUN_ID...`: the study table and plots from existing runs. A study's parent run id stands for
     all its runs; the baseline is the run a study tagged, else the first one given."""
-    from mlflow.tracking import MlflowClient
-
     uri = _tracking_uri(tracking_uri)
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(uri)
     ids: list[str] = []
     for run_id in run_ids:
         ids += _children(client, run_id) or [run_id]
     records = [_read_run(client, rid) for rid in ids]
     out = Path(out_dir)
     outputs = write_outputs(records, out, title=f"gpo report of {len(records)} runs", notes=[f"Runs in `{uri}`."])
-    _say(f"table: {out / 'study.md'}")
+    print(_markdown(table(records)), flush=True)
+    _say(f"table and plots in {out} (study.md, study.csv, {', '.join(PLOTS)})")
     return outputs
 
 

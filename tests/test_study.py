@@ -40,7 +40,7 @@ def test_grid_is_the_product_with_inapplicable_overrides_dropped_and_duplicates_
     assert [r.cfg.algo.name for r in p.runs] == ["grpo"] * 3 + ["dapo"] * 3
     assert p.baseline == 0
     assert any("`pruner.rate` does not apply to pruner `none`" in n for n in p.notes)
-    assert sum("is the same run as" in n for n in p.notes) == 2
+    assert sum("resolves to the same config as" in n for n in p.notes) == 2
     # plugins=[gpo_toy] has no top-level comma: a fixed value, not an axis
     assert all(r.cfg.task.name == "toy" for r in p.runs)
 
@@ -70,6 +70,8 @@ def test_baseline_is_chosen_by_its_settings():
     (["optim.lr=1e-5,"], "empty value"),
     (["optim.lrr=1e-5,1e-6"], "unknown key `optim.lrr`"),
     (["experiment=smoke,cppo_gsm8k"], "experiment cannot be a grid axis"),
+    (["experiment=smoek"], "unknown experiment `smoek`.*Did you mean `smoke`"),
+    (["pruner.rate=0.5", "pruner.rate=0.5,0.7"], "given twice"),
 ])
 def test_bad_grids_are_user_errors(args, message):
     with pytest.raises(UserError, match=message):
@@ -217,7 +219,7 @@ def test_study_runs_the_grid_reports_a_failure_and_report_reproduces_it(tiny_mod
     ]
     assert cli.main(["study", *args]) == 0
     out = capsys.readouterr().out
-    assert "study of 3 runs" in out and "is the same run as" in out
+    assert "study of 3 runs" in out and "resolves to the same config as" in out
     (study_dir,) = tmp_path.glob("study-*")
 
     rows = list(csv.DictReader(open(study_dir / "study.csv")))

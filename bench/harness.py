@@ -1,0 +1,85 @@
+"""What every benchmark script shares: building an engine, peak memory of a child process, tables, and writing
+its own section of docs/benchmarks.md (with the command that produced it and the date).
+
+Scripts import it as `from harness import ...` (they run as `python bench/NAME.py`, so bench/ is on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "benchmarks.md"
+DOC_HEADER = """# Benchmarks
+
+Every section below is written by the script it names (`bench/*.py`), with the exact command and the date.
+Machine: 2 CPU cores shared with other jobs, so timings are noisy; each script interleaves its configurations
+(A, B, A, B, ...) so that load from other jobs hits every arm alike, and states its repeat count and spread.
+Nothing here is typed in by hand except the text outside the generated sections.
+"""
+
+
+def engine(*overrides: str):
+    """An Engine on the embedded default model and task, tracking nothing, writing into a temporary directory."""
+    from gpo.config import compose
+    from gpo.engine import Engine
+
+    out = tempfile.mkdtemp(prefix="gpo-bench-")
+    return Engine(compose(["tracker=none", f"output_dir={out}", "eval.before_and_after=false", *overrides]))
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(script: str, *args: str, timeout: float = 900) -> dict:
+    """Run `python bench/<script> --child ARGS` in a fresh process (a clean peak RSS); it prints one JSON line last."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "bench"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script), "--child", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def spread(values: list[float]) -> str:
+    """Median with (min-max) over repeats, the way every table states its noise."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    """A Markdown table (also readable as plain text on the terminal)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_section(key: str, title: str, body: str) -> None:
+    """Replace (or append) this script's section of docs/benchmarks.md; other sections are left as they are."""
+    command = "python " + " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+    section = (f"<!-- bench:{key} -->\n## {title}\n\n`{command}` ({date.today().isoformat()}, "
+               f"torch {_torch_version()}, {os.cpu_count()} CPU cores)\n\n{body.strip()}\n<!-- /bench:{key} -->")
+    text = DOC.read_text() if DOC.exists() else DOC_HEADER
+    pattern = re.compile(rf"<!-- bench:{re.escape(key)} -->.*?<!-- /bench:{re.escape(key)} -->", re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(text)
+    print(f"\nwrote section `{key}` of {DOC.relative_to(REPO)}")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

@@ -1,0 +1,133 @@
+"""Phase speedup of CPPO pruning: the post-generation phases (reference log-probs and the update) on one fixed batch
+of generated completions, with the top-k pruner at each rate P, side by side in one process.
+
+CPPO's claim for these phases is a speedup of up to 1/(1-P): only the kept rows reach a forward pass. The batch
+is generated once (default model and task, G=8); each repeat then runs P = 0, 0.5, 0.75, 0.875 in turn on the
+same batch, so load from other jobs hits every P alike, and speedups are paired within a repeat.
+`--memory` also runs each P in its own process and reports the peak RSS of the post-generation phases.
+
+    python bench/phases.py --questions 4 --repeats 3 --memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from harness import child, engine, peak_rss_mib, spread, table, write_section
+
+RATES = [0.0, 0.5, 0.75, 0.875]
+
+
+def build(args: argparse.Namespace):
+    """The engine and one generated, rewarded batch (same seed, so every process gets the same batch)."""
+    from gpo.engine import PhaseTimer
+
+    eng = engine(f"model.path={args.model}", "task=arith", "algo=grpo", f"algo.beta={args.beta}", "pruner=topk",
+                 "allocator=static", f"train.questions_per_step={args.questions}", f"train.group_size={args.group}",
+                 f"train.max_completion_length={args.max_new}", f"train.micro_batch_size={args.micro_batch}",
+                 f"train.mu={args.mu}", "train.steps=1000", "optim.warmup_ratio=0")
+    batch, _ = eng._rollout(args.questions, 0, PhaseTimer())
+    return eng, batch
+
+
+def pruned(eng, batch, rate: float):
+    from gpo import registry
+
+    pruner = registry.get("pruner", "topk").build({"rate": rate})
+    return batch.select(pruner.keep(batch))
+
+
+def timed_phases(eng, kept) -> tuple[float, float]:
+    """Seconds of the log-prob passes and of the update on `kept` (a fresh copy each time: fills mutate it)."""
+    t0 = time.perf_counter()
+    eng._fill_logprobs(kept)
+    t1 = time.perf_counter()
+    eng._update(kept)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def memory_child(args: argparse.Namespace) -> dict:
+    """In a fresh process: generate, reset the peak-RSS mark, run the post-generation phases once at P."""
+    eng, batch = build(args)
+    whole_before = peak_rss_mib()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    timed_phases(eng, pruned(eng, batch, args.rate))
+    hwm = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+               if line.startswith("VmHWM")) / 1024
+    return {"phases_peak_mib": hwm, "process_peak_mib": max(whole_before, peak_rss_mib()),
+            "generation_peak_mib": whole_before}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--questions", type=int, default=4, help="B questions, G completions each, generated once")
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new", type=int, default=48)
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--mu", type=int, default=1)
+    p.add_argument("--beta", type=float, default=0.04, help="KL coefficient; > 0 runs the reference pass")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--memory", action="store_true", help="also peak RSS per P, each in its own process")
+    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        import json
+
+        print(json.dumps(memory_child(args)))
+        return
+
+    eng, batch = build(args)
+    kept = {P: pruned(eng, batch, P) for P in RATES}
+    timed_phases(eng, kept[0.0].to("cpu"))  # warm-up: first-call allocations are not part of any P
+    seconds = {P: [] for P in RATES}
+    split = {P: ([], []) for P in RATES}
+    for _ in range(args.repeats):
+        for P in RATES:
+            lp, up = timed_phases(eng, kept[P].to("cpu"))
+            seconds[P].append(lp + up)
+            split[P][0].append(lp)
+            split[P][1].append(up)
+    rows = []
+    for P in RATES:
+        ratios = [a / b for a, b in zip(seconds[0.0], seconds[P])]  # paired within a repeat
+        ideal = 1 / (1 - P)
+        tokens = int(kept[P].completion_mask.sum())
+        rows.append([P, len(kept[P]), tokens, kept[P].completion_ids.shape[1], spread(split[P][0]),
+                     spread(split[P][1]), spread(seconds[P]), spread(ratios), f"{ideal:.2f}",
+                     f"{100 * statistics.median(ratios) / ideal:.0f}%",
+                     f"{int(kept[0.0].completion_mask.sum()) / tokens:.2f}"])
+    headers = ["P", "rows", "tokens", "width L", "logprobs s", "update s", "total s", "speedup vs P=0", "ideal 1/(1-P)",
+               "% of ideal", "token ratio"]
+    body = table(headers, rows)
+    if args.memory:
+        mem = [[P, *(f"{v:.0f}" for v in child("phases.py", *_child_args(args), "--rate", str(P)).values())]
+               for P in RATES]
+        body += "\n\nPeak RSS (MiB), each P in its own process:\n\n" + table(
+            ["P", "post-generation phases", "whole process", "until end of generation"], mem)
+    print(body)
+    lengths = batch.lengths.float()
+    note = (f"\n\nBatch: B={args.questions} questions x G={args.group} = {len(batch)} completions of the arith task "
+            f"from {args.model}, at most {args.max_new} new tokens (mean length {lengths.mean():.1f}, "
+            f"{int(batch.truncated.sum())} truncated); mu={args.mu}, beta={args.beta} (reference pass on), micro-batch "
+            f"{args.micro_batch}. {args.repeats} repeats after one warm-up, P interleaved within each repeat; cells "
+            "are median (min-max); speedups are paired within a repeat. `token ratio` = completion tokens at P=0 / at "
+            "P: top-k keeps the largest |advantage|, not an average-length sample, so the token ideal can differ "
+            "from 1/(1-P).")
+    if not args.no_write:
+        write_section("phases", "Phase speedup: log-probs + update on one fixed batch, by pruning rate P",
+                      body + note)
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--questions", str(args.questions), "--group", str(args.group), "--max-new",
+            str(args.max_new), "--micro-batch", str(args.micro_batch), "--mu", str(args.mu), "--beta", str(args.beta)]
+
+
+if __name__ == "__main__":
+    main()

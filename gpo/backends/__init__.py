@@ -1,3 +1,6 @@
-"""Generation backends (`backend=`): `hf` (transformers generate) and `vllm` (colocated vLLM)."""
+"""Generation backends (`backend=`): `hf` (transformers generate) and `vllm` (colocated vLLM).
 
-from gpo.backends import hf  # noqa: F401
+`vllm` imports vLLM only when it is built, so listing and configuring it works without vLLM installed.
+"""
+
+from gpo.backends import hf, vllm  # noqa: F401

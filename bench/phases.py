@@ -119,9 +119,8 @@ def main() -> None:
             "are median (min-max); speedups are paired within a repeat. `token ratio` = completion tokens at P=0 / at "
             "P: top-k keeps the largest |advantage|, not an average-length sample, so the token ideal can differ "
             "from 1/(1-P).")
-    if not args.no_write:
-        write_section("phases", "Phase speedup: log-probs + update on one fixed batch, by pruning rate P",
-                      body + note)
+    write_section("phases", "Phase speedup: log-probs + update on one fixed batch, by pruning rate P", body + note,
+                  enabled=not args.no_write)
 
 
 def _child_args(args: argparse.Namespace) -> list[str]:

@@ -55,10 +55,10 @@ def main() -> None:
     rows = []
     for name in arms:
         step = col(name, "time/step")
-        questions = col(name, "alloc/questions") if runs[name][0].get("alloc/questions") else [args.questions] * len(step)
+        questions = col(name, "alloc/questions")
         trained = col(name, "train/rows")
-        rows.append([name, f"{statistics.median(questions):.0f}", f"{statistics.median(trained):.0f}", spread(gen(name)),
-                     spread(col(name, "time/logprobs")), spread(col(name, "time/update")), spread(step),
+        rows.append([name, f"{statistics.median(questions):.0f}", f"{statistics.median(trained):.0f}",
+                     spread(gen(name)), spread(col(name, "time/logprobs")), spread(col(name, "time/update")), spread(step),
                      spread([s / q for s, q in zip(step, questions)]),
                      spread([s / max(t, 1) for s, t in zip(step, trained)])])
     headers = ["arm", "questions", "rows trained", "generate+reward s", "logprobs s", "update s", "step s",
@@ -89,8 +89,7 @@ def main() -> None:
             "copies of the model, so completions (and lengths) drift apart after the first step; "
             "`s / trained row` shows the price of the dynamic allocator: it generates 1/(1-P) times the completions "
             "to fill GRPO's rows, so per trained row it is slower, by design. It buys more questions seen per step.")
-    if not args.no_write:
-        write_section("steps", "Step speedup vs Amdahl's bound: GRPO vs CPPO", body + note)
+    write_section("steps", "Step speedup vs Amdahl's bound: GRPO vs CPPO", body + note, enabled=not args.no_write)
 
 
 if __name__ == "__main__":

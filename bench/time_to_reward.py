@@ -95,8 +95,8 @@ def main() -> None:
             "target at those marks). With this few steps and questions, accuracy differences of one or two "
             f"questions out of {args.eval_limit} are noise; read this table as a smoke test of the setup, not "
             "evidence for or against the paper's claim.")
-    if not args.no_write:
-        write_section("time_to_reward", "Time to reward: GRPO vs CPPO at equal wall-clock budget", body + note)
+    write_section("time_to_reward", "Time to reward: GRPO vs CPPO at equal wall-clock budget", body + note,
+                  enabled=not args.no_write)
 
 
 if __name__ == "__main__":

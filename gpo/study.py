@@ -446,8 +446,10 @@ def _run_child(cfg: DictConfig, run_dir: Path) -> tuple[Outcome, Path]:
 def _child(spec_path: str) -> int:
     """Inside the run's own process: train, then report status and this process's peak memory."""
     spec = json.loads(Path(spec_path).read_text())
-    # Plug-ins the study could import (e.g. added to sys.path by the caller) must import here too.
-    sys.path[:0] = [p for p in spec["sys_path"] if p not in sys.path]
+    # Plug-ins the study could import (e.g. added to sys.path by the caller) must import here too. Appended, never
+    # prepended: the caller's path may end in folders such as setuptools/_vendor (added by importing setuptools),
+    # whose old vendored copies would otherwise shadow the real packages in site-packages.
+    sys.path.extend(p for p in spec["sys_path"] if p not in sys.path)
     status, error = "FAILED", ""
     try:
         from gpo import registry

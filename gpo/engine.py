@@ -7,6 +7,7 @@ only calls the component interfaces of gpo/types.py; it never names an algorithm
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import signal
@@ -256,8 +257,8 @@ class Engine:
         state = full_state_dict(self.accelerator, self.module)  # collective under ZeRO-3: every rank calls it
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(self.module).model
-            if hasattr(model, "merge_and_unload"):  # LoRA: ship a plain model that any backend can load
-                model = model.merge_and_unload()
+            if hasattr(model, "merge_and_unload"):  # LoRA: ship a plain model that any backend can load,
+                model = copy.deepcopy(model).merge_and_unload()  # merged on a copy so training can go on
             model.save_pretrained(target, state_dict=state)
             self.tokenizer.save_pretrained(target)
         self.accelerator.wait_for_everyone()

@@ -88,3 +88,25 @@ def test_mu_two_computes_old_logprobs_and_steps_twice(tiny_model_path, tmp_path,
     rows = int(metrics["train/rows"])
     assert sum(counter.rows) == rows * 3  # one old-policy pass + two training passes
     assert engine.optimizer.state_dict()["state"][0]["step"] == 2
+
+
+def test_lora_trains_only_the_adapter_and_saves_a_merged_model(tiny_model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from gpo.engine import Engine
+
+    engine = Engine(tiny_config(tiny_model_path, tmp_path, "algo=grpo", "algo.beta=0.04", "model.lora_rank=4",
+                                "model.gradient_checkpointing=true"))
+    trainable = {n: p.detach().clone() for n, p in engine.policy.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in engine.policy.named_parameters() if not p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    engine.step()
+    engine.step()
+    now = dict(engine.policy.named_parameters())
+    assert any(not torch.equal(now[n], p) for n, p in trainable.items())
+    assert all(torch.equal(now[n], p) for n, p in frozen.items())
+    merged = AutoModelForCausalLM.from_pretrained(engine.save_model("best"))
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    # Saving mid-run (best checkpoint) must leave the adapter in place so training continues.
+    assert any(p.requires_grad and "lora_" in n for n, p in engine.policy.named_parameters())
+    engine.step()

@@ -92,6 +92,7 @@ class Engine:
     def step(self) -> dict[str, float]:
         """One training step (DESIGN.md, stages 1-11)."""
         T, timer = self.train_cfg, PhaseTimer()
+        self._task_metrics = {}
         slots = T.questions_per_step * T.group_size
         kept_per_group = self.pruner.expected_kept_per_group(T.group_size)
         # 1 plan: how many questions this round; 8 refills come back here while slots stay empty
@@ -145,7 +146,9 @@ class Engine:
             scored = self.task.reward(texts, [e for e in mine for _ in range(G)])
             local.rewards = torch.tensor(scored.total, dtype=torch.float32)  # [N_rank]
             local.reward_components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scored.components.items()}
-            self._task_metrics = {f"reward/{k}": float(all_reduce_sum(float(v))) for k, v in scored.metrics.items()}
+            for k, v in scored.metrics.items():  # counts such as verify_timeouts, summed over ranks and rounds
+                key = f"reward/{k}"
+                self._task_metrics[key] = self._task_metrics.get(key, 0.0) + float(all_reduce_sum(float(v)))
         batch = all_gather_batch(local, self.tokenizer.pad_token_id)
         rewards = self.objective.shape_rewards(
             batch.rewards.view(-1, G), batch.lengths.view(-1, G), batch.truncated.view(-1, G)

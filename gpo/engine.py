@@ -75,7 +75,7 @@ class Engine:
         O = self.optim_cfg
         optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad],
-            lr=O.lr, betas=tuple(O.betas), eps=O.eps, weight_decay=O.weight_decay,
+            lr=O.lr, betas=tuple(O.betas), eps=O.eps, weight_decay=O.weight_decay, fused=O.fused,
         )
         self.module, self.optimizer = prepare_policy(
             self.accelerator, TokenLogprobs(self.policy, T.logprob_chunk_size), optimizer
@@ -349,6 +349,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     try:
         return engine.run()
     finally:
+        getattr(engine.backend, "close", lambda: None)()  # a generator on the process group (vLLM) goes first
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()  # ZeRO-3 aborts at exit otherwise
 

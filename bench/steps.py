@@ -32,8 +32,13 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
 
+    # optim.lr=0: every step still computes everything (gradients, AdamW update of zero size), but no arm's weights
+    # move, so with equal seeds the grpo and cppo-static arms generate the very same completions at every step.
+    # Trained arms drift apart after one step, and a few longer completions in one arm would then pass for a
+    # pruning overhead (an earlier run: cppo-static generated 8% longer, a third of its gap to the bound).
     common = [f"model.path={args.model}", "task=arith", "algo=grpo", f"train.questions_per_step={args.questions}",
-              f"train.group_size={args.group}", f"train.max_completion_length={args.max_new}", "train.steps=1000"]
+              f"train.group_size={args.group}", f"train.max_completion_length={args.max_new}", "train.steps=1000",
+              "optim.lr=0"]
     arms = {
         "grpo": engine(*common, "pruner=none", "allocator=static"),
         "cppo-static": engine(*common, "pruner=topk", f"pruner.rate={args.rate}", "allocator=static"),
@@ -58,10 +63,11 @@ def main() -> None:
         questions = col(name, "alloc/questions")
         trained = col(name, "train/rows")
         rows.append([name, f"{statistics.median(questions):.0f}", f"{statistics.median(trained):.0f}",
+                     spread(col(name, "tokens/generated")),
                      spread(gen(name)), spread(col(name, "time/logprobs")), spread(col(name, "time/update")), spread(step),
                      spread([s / q for s, q in zip(step, questions)]),
                      spread([s / max(t, 1) for s, t in zip(step, trained)])])
-    headers = ["arm", "questions", "rows trained", "generate+reward s", "logprobs s", "update s", "step s",
+    headers = ["arm", "questions", "rows trained", "tokens generated", "generate+reward s", "logprobs s", "update s", "step s",
                "s / question", "s / trained row"]
 
     # Paired within a repeat: the GRPO step and the CPPO step that ran right after it.
@@ -83,11 +89,12 @@ def main() -> None:
     body = table(headers, rows) + "\n\n" + summary
     print(body)
     note = (f"\n\nSizes: {args.model}, arith, B={args.questions}, G={args.group}, at most {args.max_new} new tokens, "
-            f"P={args.rate}, beta 0.04 (reference pass on), mu 1. Each arm ran one warm-up step, then {args.repeats} "
+            f"P={args.rate}, beta 0.04 (reference pass on), mu 1, optim.lr=0 (see below). Each arm ran one warm-up step, then {args.repeats} "
             "steps interleaved across arms; cells are median (min-max). Generation share s (generate + reward, of "
-            f"the GRPO step) = {spread(share)}; bound = 1 / (s + (1-s)(1-P)) per repeat. The arms train their own "
-            "copies of the model, so completions (and lengths) drift apart after the first step; "
-            "`s / trained row` shows the price of the dynamic allocator: it generates 1/(1-P) times the completions "
+            f"the GRPO step) = {spread(share)}; bound = 1 / (s + (1-s)(1-P)) per repeat. With optim.lr=0 every "
+            "step does all its work (gradients and an AdamW step) but the weights stay put, so grpo and "
+            "cppo-static generate identical completions (equal `tokens generated`) and Amdahl's premise, an "
+            "unchanged generation phase, holds exactly. `s / trained row` shows the price of the dynamic allocator: it generates 1/(1-P) times the completions "
             "to fill GRPO's rows, so per trained row it is slower, by design. It buys more questions seen per step.")
     write_section("steps", "Step speedup vs Amdahl's bound: GRPO vs CPPO", body + note, enabled=not args.no_write)
 

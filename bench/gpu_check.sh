@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: a few GRPO and CPPO steps (hf backend) on a Qwen2.5-1.5B-shaped model with random bf16 weights, on a
-# machine with one GPU and no network. Prints the losses (must be finite) and seconds per phase of each step.
+# machine with one GPU and no network. Prints the losses (must be finite) and seconds per phase of each step, then
+# runs the phase benchmark (bench/phases.py) and the step-vs-Amdahl benchmark (bench/steps.py) on the same model.
+# Everything it prints is also written to $OUT/gpu_check.log when $OUT is set (else ./gpu_check.log); the tables
+# go into docs/benchmarks.md by hand, with the date (the benchmarks run with --no-write there).
 #
 #   bench/gpu_check.sh --prepare   on a machine WITH network and the same Python version as the GPU machine:
 #                                  wheels of gpo and its dependencies into wheels/ (git-ignored), minus the torch,
@@ -35,7 +38,9 @@ if ! python -c "import gpo" 2>/dev/null; then
 fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-timeout 570 python - "$WORK" "$WHEELS/tokenizer" <<'PY'
+LOG=${OUT:-.}/gpu_check.log
+exec > >(tee "$LOG") 2>&1
+timeout 240 python - "$WORK" "$WHEELS/tokenizer" <<'PY'
 import math, os, sys, time
 from pathlib import Path
 
@@ -96,4 +101,9 @@ for name, picks in runs.items():
         torch.cuda.reset_peak_memory_stats()
 sys.exit("gpu_check: FAILED (a loss is not finite)" if failed else 0)
 PY
+# The benchmarks on the same model; bf16, no KL-free shortcuts (beta 0.04 as in the CPU tables).
+SET=(--set "model.dtype=bfloat16" "backend=hf" --no-write)
+if [[ "${GPO_GPU_CHECK_SMOKE:-}" == "1" ]]; then SIZE=(--max-new 8 --repeats 1); else SIZE=(--max-new 128 --repeats 2); fi
+timeout 150 python bench/phases.py --model "$WORK/model" --questions 4 --micro-batch 16 "${SIZE[@]}" "${SET[@]}"
+timeout 180 python bench/steps.py --model "$WORK/model" --questions 4 "${SIZE[@]}" "${SET[@]}"
 echo "gpu_check: OK"

@@ -37,6 +37,14 @@ def engine(*overrides: str):
     return Engine(compose(["tracker=none", f"output_dir={out}", "eval.before_and_after=false", *overrides]))
 
 
+def add_common(parser) -> None:
+    """Options every benchmark takes: config overrides for each engine it builds, e.g. `--set model.dtype=bfloat16`
+    (bench/gpu_check.sh runs the benchmarks on a random-weight model that way), and --no-write."""
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="extra config overrides for every engine, after the script's own")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+
+
 def peak_rss_mib() -> float:
     """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import child, engine, peak_rss_mib, spread, table, write_section
+from harness import add_common, child, engine, peak_rss_mib, spread, table, write_section
 
 RATES = [0.0, 0.5, 0.75, 0.875]
 
@@ -28,7 +28,7 @@ def build(args: argparse.Namespace):
     eng = engine(f"model.path={args.model}", "task=arith", "algo=grpo", f"algo.beta={args.beta}", "pruner=topk",
                  "allocator=static", f"train.questions_per_step={args.questions}", f"train.group_size={args.group}",
                  f"train.max_completion_length={args.max_new}", f"train.micro_batch_size={args.micro_batch}",
-                 f"train.mu={args.mu}", "train.steps=1000", "optim.warmup_ratio=0")
+                 f"train.mu={args.mu}", "train.steps=1000", "optim.warmup_ratio=0", *args.set)
     batch, _ = eng._rollout(args.questions, 0, PhaseTimer())
     return eng, batch
 
@@ -72,7 +72,7 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.04, help="KL coefficient; > 0 runs the reference pass")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--memory", action="store_true", help="also peak RSS per P, each in its own process")
-    p.add_argument("--no-write", action="store_true")
+    add_common(p)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -125,7 +125,8 @@ def main() -> None:
 
 def _child_args(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--questions", str(args.questions), "--group", str(args.group), "--max-new",
-            str(args.max_new), "--micro-batch", str(args.micro_batch), "--mu", str(args.mu), "--beta", str(args.beta)]
+            str(args.max_new), "--micro-batch", str(args.micro_batch), "--mu", str(args.mu), "--beta", str(args.beta),
+            "--set", *args.set]
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from harness import engine, spread, table, write_section
+from harness import add_common, engine, spread, table, write_section
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--max-new", type=int, default=48)
     p.add_argument("--rate", type=float, default=0.75)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-write", action="store_true")
+    add_common(p)
     args = p.parse_args()
 
     # optim.lr=0: every step still computes everything (gradients, AdamW update of zero size), but no arm's weights
@@ -38,7 +38,7 @@ def main() -> None:
     # pruning overhead (an earlier run: cppo-static generated 8% longer, a third of its gap to the bound).
     common = [f"model.path={args.model}", "task=arith", "algo=grpo", f"train.questions_per_step={args.questions}",
               f"train.group_size={args.group}", f"train.max_completion_length={args.max_new}", "train.steps=1000",
-              "optim.lr=0"]
+              "optim.lr=0", *args.set]
     arms = {
         "grpo": engine(*common, "pruner=none", "allocator=static"),
         "cppo-static": engine(*common, "pruner=topk", f"pruner.rate={args.rate}", "allocator=static"),

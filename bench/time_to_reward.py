@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from harness import engine, table, write_section
+from harness import add_common, engine, table, write_section
 
 ARMS = {
     "grpo": ["pruner=none", "allocator=static"],
@@ -26,7 +26,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
     common = [f"model.path={args.model}", "task=arith", "algo=grpo", f"seed={seed}", f"train.steps={args.max_steps}",
               f"train.questions_per_step={args.questions}", f"train.max_completion_length={args.max_new}",
               f"optim.lr={args.lr}", "optim.schedule=constant", "optim.warmup_ratio=0", f"eval.limit={args.eval_limit}",
-              f"eval.max_new_tokens={args.max_new}"]
+              f"eval.max_new_tokens={args.max_new}", *args.set]
     arms = {name: engine(*common, *extra) for name, extra in ARMS.items()}
     marks = [args.budget * f for f in args.eval_at]
     first = next(iter(arms.values()))
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--eval-limit", type=int, default=32)
     p.add_argument("--eval-at", type=float, nargs="+", default=[0.5, 1.0], help="fractions of the budget")
     p.add_argument("--max-steps", type=int, default=10_000)
-    p.add_argument("--no-write", action="store_true")
+    add_common(p)
     args = p.parse_args()
 
     results = {seed: run_seed(args, seed) for seed in args.seeds}

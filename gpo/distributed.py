@@ -36,6 +36,18 @@ def all_reduce_sum(x: Tensor | float | int) -> Tensor | float | int:
     return type(x)(t.item())
 
 
+def all_reduce_values(values: dict[str, float], op: str = "sum") -> dict[str, float]:
+    """Each value reduced over ranks ("sum", "min" or "max") in one collective; a copy on one process.
+    Every rank must pass the same keys (the engine's step metrics: same code, same global totals)."""
+    _, world_size = world()
+    if world_size == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    return dict(zip(keys, t.tolist()))
+
+
 def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
     """Every rank's batch, concatenated in rank order, on every rank.
 

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpo import checkpoint, registry
 from gpo.config import section, to_object, to_yaml
-from gpo.distributed import all_gather_batch, all_reduce_sum, shard, world
+from gpo.distributed import all_gather_batch, all_reduce_sum, all_reduce_values, shard, world
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
 from gpo.models import load_policy, load_tokenizer
@@ -399,7 +399,14 @@ class MetricSums:
                 self.values[k] += v
 
     def result(self, passes: int) -> dict[str, float]:
-        return {k: v if k.endswith(("_min", "_max")) else v / passes for k, v in self.values.items()}
+        """The whole step's values: each rank holds its share of the global loss and metrics, so they are summed
+        (min/max taken) over ranks too; sums are then averaged over the mu passes."""
+        out: dict[str, float] = {}
+        for op in ("min", "max", "sum"):
+            mine = {k: v for k, v in self.values.items() if (k.endswith(f"_{op}") if op != "sum"
+                                                             else not k.endswith(("_min", "_max")))}
+            out.update(all_reduce_values(mine, op))
+        return {k: v if k.endswith(("_min", "_max")) else v / passes for k, v in out.items()}
 
 
 def _scheduler(optimizer: Any, name: str, warmup_ratio: float, total: int) -> Any:

@@ -73,8 +73,10 @@ def test_two_ranks_train_exactly_what_one_process_trains(tiny_model_path, tmp_pa
     assert max(float((p1[n] - initial[n]).abs().max()) for n in p1) > 1e-4
     steps = {r["rank"]: r["metrics"] for r in records(tmp_path / "two.jsonl", "step")}
     (single,) = [r["metrics"] for r in records(tmp_path / "one.jsonl", "step")]
-    for rank in (0, 1):
-        assert steps[rank]["loss/total"] + steps[1 - rank]["loss/total"] == pytest.approx(single["loss/total"], abs=1e-5)
+    for rank in (0, 1):  # each rank trains on its share; the step's metrics are reduced over both ranks
+        for key, value in single.items():
+            if key.startswith(("loss/", "kl/", "clip/", "ratio/")):
+                assert steps[rank][key] == pytest.approx(value, abs=1e-5), key
         assert steps[rank]["train/rows"] == single["train/rows"] == 8
 
     # Pruning decided on the whole batch, then an even split: 4 kept rows on each rank.

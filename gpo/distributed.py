@@ -1,8 +1,9 @@
 """Multi-rank helpers on torch.distributed (gloo or NCCL); each is a no-op when no process group is running.
 
 The engine's layout (DESIGN.md): every rank generates its share of a step's questions, `all_gather_batch` gives
-every rank the same full batch, pruners decide on it identically everywhere, and `shard` splits the kept rows
-evenly, so every rank trains on the same number of rows and `group`/`global` pruning ignores the world size.
+every rank the same full batch, pruners decide on it identically everywhere, `keep_divisible` rounds a varying kept
+count (threshold pruning) up to a multiple of the world size, and `shard` splits the kept rows evenly, so every
+rank trains on the same number of rows and `group`/`global` pruning ignores the world size.
 """
 
 from __future__ import annotations
@@ -98,15 +99,29 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
     return RolloutBatch.concat(per_rank, pad_token_id=pad_token_id)
 
 
+def keep_divisible(score: Tensor, keep: Tensor, world_size: int) -> Tensor:
+    """`keep` plus just enough of the best-scoring rows it left out that the kept count splits evenly over the
+    ranks; unchanged on one process or when it already does. A pruner whose kept count varies (threshold) thus
+    trains the same number of rows on every rank. The batch is the gathered one, identical on every rank, and the
+    stable sort breaks ties by position, so every rank adds the same rows."""
+    short = -int(keep.sum()) % world_size
+    if short == 0:
+        return keep
+    left_out = torch.nonzero(~keep).flatten()  # [M]
+    best = left_out[torch.argsort(score[left_out], descending=True, stable=True)[:short]]
+    out = keep.clone()
+    out[best] = True
+    return out
+
+
 def shard(kept: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
     """This rank's contiguous, equal share of the kept rows (rows stay in order; padding re-trimmed)."""
     n = len(kept)
     if n % world_size:
         raise UserError(
-            f"{n} kept completions cannot be split evenly over {world_size} ranks. With pruner=topk the kept count "
-            f"is k x questions: make the questions per step (allocator) a multiple of {world_size}, or pick "
-            f"pruner.keep / pruner.rate so k x questions divides evenly; pruner=threshold keeps a varying count, "
-            f"so use it on one rank or switch to topk."
+            f"{n} kept completions cannot be split evenly over {world_size} ranks: the step's candidates (its "
+            f"questions x group size, after the group filter) must be a multiple of {world_size}. Make "
+            f"train.group_size or train.questions_per_step a multiple of {world_size}."
         )
     share = n // world_size
     return kept.select(torch.arange(rank * share, (rank + 1) * share, device=kept.completion_ids.device))

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpo import checkpoint, registry
 from gpo.config import section, to_object, to_yaml
-from gpo.distributed import all_gather_batch, all_reduce_sum, all_reduce_values, shard, world
+from gpo.distributed import all_gather_batch, all_reduce_sum, all_reduce_values, keep_divisible, shard, world
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
 from gpo.models import load_policy, load_tokenizer
@@ -104,7 +104,7 @@ class Engine:
             seen.append(batch)
             batch = batch.select(group_keep.repeat_interleave(T.group_size))
             # 7 prune: decided on the whole step's batch, identically on every rank
-            keep = self.pruner.keep(batch)
+            keep = keep_divisible(batch.advantages.abs().cpu(), self.pruner.keep(batch), self.world_size)
             candidates.append((batch, keep))
             kept_parts.append(batch.select(keep))
             rounds += 1

@@ -56,6 +56,19 @@ def test_shard_uneven_is_a_user_error():
         distributed.shard(make_batch([0.0] * 7, group_size=7), 0, 2)
 
 
+def test_keep_divisible_adds_the_best_left_out_rows():
+    score = full_batch().advantages.abs()
+    keep = registry.get("pruner", "threshold").build({"gamma": 0.95}).keep(full_batch())
+    assert torch.nonzero(keep).flatten().tolist() == [0, 8, 9, 10, 11]  # |A| = 1.5, 1, 1, 1, 1
+    # 5 rows over 2 ranks: one more, the best left out: |A| 0.9 at rows 13 and 14, the tie goes to position 13.
+    assert torch.nonzero(distributed.keep_divisible(score, keep, 2)).flatten().tolist() == [0, 8, 9, 10, 11, 13]
+    # 5 over 4 ranks: three more (0.9, 0.9, then the first 0.5 at row 1)
+    assert torch.nonzero(distributed.keep_divisible(score, keep, 4)).flatten().tolist() == [0, 1, 8, 9, 10, 11, 13, 14]
+    even = distributed.keep_divisible(score, keep, 2)
+    assert distributed.keep_divisible(score, keep, 1) is keep  # one process, or already even: unchanged
+    assert distributed.keep_divisible(score, even, 2) is even
+
+
 def _worker(rank, port, out_dir):
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=WORLD)
@@ -67,6 +80,9 @@ def _worker(rank, port, out_dir):
         for name, scope in CASES + [("topk", "rank")]:
             keep = registry.get("pruner", name).build({"keep": 1, "scope": scope}).keep(gathered)
             result[name, scope] = (keep, distributed.shard(gathered.select(keep), rank, WORLD))
+        threshold = registry.get("pruner", "threshold").build({"gamma": 0.95}).keep(gathered)  # keeps 5 rows
+        keep = distributed.keep_divisible(gathered.advantages.abs(), threshold, WORLD)
+        result["threshold"] = (keep, distributed.shard(gathered.select(keep), rank, WORLD))
         torch.save(result, f"{out_dir}/rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
@@ -116,3 +132,14 @@ def test_rank_scope_is_top_k_within_each_owner(two_ranks):
     ])
     for res in two_ranks:
         assert torch.equal(res["topk", "rank"][0], expected)
+
+
+def test_threshold_with_a_varying_count_trains_equal_shares(two_ranks):
+    single = distributed.keep_divisible(full_batch().advantages.abs(),
+                                        registry.get("pruner", "threshold").build({"gamma": 0.95}).keep(full_batch()), 2)
+    for res in two_ranks:
+        assert torch.equal(res["threshold"][0], single)  # every rank adds the same row
+    shards = [res["threshold"][1] for res in two_ranks]
+    assert [len(s) for s in shards] == [3, 3]
+    assert [t for s in shards for t in s.completion_ids[:, 0].tolist()] == \
+        full_batch().completion_ids[single, 0].tolist()

@@ -2,7 +2,7 @@
 
 Pruning speeds up only the post-generation phases, so with s the share of a GRPO step spent generating and
 rewarding, a step that trains a fraction (1-P) of the rows can be at most 1 / (s + (1-s)(1-P)) times faster.
-Three arms, built side by side in one process and stepped in turn (A, B, C, A, B, C, ...):
+Three arms, stepped in turn (A, B, C, A, B, C, ...) by one engine that swaps in each arm's pruner and allocator:
   grpo          pruner=none, allocator=static: B questions, all B*G completions trained
   cppo-static   pruner=topk P, allocator=static: the same B questions and completions, (1-P)*B*G trained.
                 The like-for-like comparison: equal questions, equal generation, so Amdahl's bound applies.
@@ -32,24 +32,41 @@ def main() -> None:
     add_common(p)
     args = p.parse_args()
 
-    # optim.lr=0: every step still computes everything (gradients, AdamW update of zero size), but no arm's weights
-    # move, so with equal seeds the grpo and cppo-static arms generate the very same completions at every step.
-    # Trained arms drift apart after one step, and a few longer completions in one arm would then pass for a
-    # pruning overhead (an earlier run: cppo-static generated 8% longer, a third of its gap to the bound).
+    # One engine serves every arm, so all arms generate with the very same weights in memory. optim.lr=0: every
+    # step still does all its work (gradients, an AdamW update) but the weights stay put, and before each arm's
+    # step the question stream and step counter are rewound, so every arm draws the same questions with the same
+    # seeds and grpo and cppo-static generate identical tokens (trained arms drift apart after one step).
     common = [f"model.path={args.model}", "task=arith", "algo=grpo", f"train.questions_per_step={args.questions}",
               f"train.group_size={args.group}", f"train.max_completion_length={args.max_new}", "train.steps=1000",
-              "optim.lr=0", *args.set]
+              "optim.lr=0", "pruner=none", "allocator=static", *args.set]
+    eng = engine(*common)
+    topk = {"rate": args.rate}
     arms = {
-        "grpo": engine(*common, "pruner=none", "allocator=static"),
-        "cppo-static": engine(*common, "pruner=topk", f"pruner.rate={args.rate}", "allocator=static"),
-        "cppo-dynamic": engine(*common, "pruner=topk", f"pruner.rate={args.rate}", "allocator=dynamic"),
+        "grpo": (_part("pruner", "none", {}), _part("allocator", "static", {})),
+        "cppo-static": (_part("pruner", "topk", topk), _part("allocator", "static", {})),
+        "cppo-dynamic": (_part("pruner", "topk", topk), _part("allocator", "dynamic", {})),
     }
-    for eng in arms.values():  # warm-up step, not counted
-        eng.step()
+
+    def run_arm(name: str, start: tuple[dict, int]) -> dict:
+        eng.pruner, eng.allocator = arms[name]
+        eng.questions.load_state_dict(start[0])
+        eng.step_index = start[1]
+        return eng.step()
+
+    # The arms' order rotates from repeat to repeat: a step's speed depends on which step ran before it in the
+    # process. With a fixed order, cppo-static (always right after grpo) generated 8-12% slower than grpo in three
+    # runs, twice on identical tokens, which pruning cannot cause; rotating gives every arm every position alike.
     runs: dict[str, list[dict]] = {name: [] for name in arms}
-    for _ in range(args.repeats):
-        for name, eng in arms.items():
-            runs[name].append(eng.step())
+    names = list(arms)
+    for repeat in range(args.repeats + 1):  # repeat 0 is the warm-up, not counted
+        start = (eng.questions.state_dict(), eng.step_index)
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            metrics = run_arm(name, start)
+            if repeat:
+                runs[name].append(metrics)
+        eng.questions.load_state_dict(start[0])  # the next repeat draws the questions after these
+        eng.questions.take(args.questions)
+        eng.step_index = start[1] + 1
 
     def col(name: str, key: str) -> list[float]:
         return [m.get(key, 0.0) for m in runs[name]]
@@ -70,7 +87,7 @@ def main() -> None:
     headers = ["arm", "questions", "rows trained", "tokens generated", "generate+reward s", "logprobs s", "update s", "step s",
                "s / question", "s / trained row"]
 
-    # Paired within a repeat: the GRPO step and the CPPO step that ran right after it.
+    # Paired within a repeat: the GRPO step and the CPPO step of the same questions.
     share = [g / s for g, s in zip(gen("grpo"), col("grpo", "time/step"))]
     bound = [1 / (s + (1 - s) * (1 - args.rate)) for s in share]
     static = [a / b for a, b in zip(col("grpo", "time/step"), col("cppo-static", "time/step"))]
@@ -89,14 +106,22 @@ def main() -> None:
     body = table(headers, rows) + "\n\n" + summary
     print(body)
     note = (f"\n\nSizes: {args.model}, arith, B={args.questions}, G={args.group}, at most {args.max_new} new tokens, "
-            f"P={args.rate}, beta 0.04 (reference pass on), mu 1, optim.lr=0 (see below). Each arm ran one warm-up step, then {args.repeats} "
-            "steps interleaved across arms; cells are median (min-max). Generation share s (generate + reward, of "
-            f"the GRPO step) = {spread(share)}; bound = 1 / (s + (1-s)(1-P)) per repeat. With optim.lr=0 every "
-            "step does all its work (gradients and an AdamW step) but the weights stay put, so grpo and "
-            "cppo-static generate identical completions (equal `tokens generated`) and Amdahl's premise, an "
-            "unchanged generation phase, holds exactly. `s / trained row` shows the price of the dynamic allocator: it generates 1/(1-P) times the completions "
+            f"P={args.rate}, beta 0.04 (reference pass on), mu 1, optim.lr=0 (see below). One engine, one warm-up "
+            f"step per arm, then {args.repeats} repeats, each running the arms on the same questions, in an order "
+            "that rotates from repeat to repeat; cells are median (min-max). Generation share s (generate + reward, of "
+            f"the GRPO step) = {spread(share)}; bound = 1 / (s + (1-s)(1-P)) per repeat. One engine serves all arms (each swaps in "
+            "its pruner and allocator) with optim.lr=0: every step does all its work (gradients and an AdamW "
+            "step) but the weights stay put, and each arm's step replays the same questions and seeds, so grpo "
+            "and cppo-static generate identical completions (equal `tokens generated`) with the same weights in "
+            "memory, and Amdahl's premise, an unchanged generation phase, holds. `s / trained row` shows the price of the dynamic allocator: it generates 1/(1-P) times the completions "
             "to fill GRPO's rows, so per trained row it is slower, by design. It buys more questions seen per step.")
     write_section("steps", "Step speedup vs Amdahl's bound: GRPO vs CPPO", body + note, enabled=not args.no_write)
+
+
+def _part(kind: str, name: str, cfg: dict):
+    from gpo import registry
+
+    return registry.get(kind, name).build(cfg)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,11 @@ def test_mlflow_run_holds_params_metrics_config_and_final_model(tiny_model_path,
 
 @pytest.mark.slow
 def test_interrupt_saves_a_checkpoint(tiny_model_path, tmp_path):
+    # A job started in the background by a non-interactive shell (how CI scripts often run) inherits SIGINT as
+    # ignored, and Python then installs no Ctrl-C handler: give the run the default disposition a terminal has.
     proc = gpo([f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON, "run_name=stopped",
-                "tracker=none", "checkpoint.every=0", "train.steps=200"])
+                "tracker=none", "checkpoint.every=0", "train.steps=200"],
+               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not (tmp_path / "stopped" / "config.yaml").exists():
         assert proc.poll() is None and time.time() < deadline

@@ -383,30 +383,28 @@ class PhaseTimer:
 class MetricSums:
     """Combines the objective's per-micro-batch metric shares: summed, except `_min`/`_max` names."""
 
+    COMBINE = {"sum": lambda a, b: a + b, "min": min, "max": max}
+
     def __init__(self) -> None:
         self.values: dict[str, float] = {}
+
+    @staticmethod
+    def reduction(key: str) -> str:
+        """How a metric combines over micro-batches and ranks: "min", "max" (by its name's suffix) or "sum"."""
+        return key.rsplit("_", 1)[-1] if key.endswith(("_min", "_max")) else "sum"
 
     def add(self, metrics: dict[str, Any]) -> None:
         for k, v in metrics.items():
             v = float(v)
-            if k not in self.values:
-                self.values[k] = v
-            elif k.endswith("_min"):
-                self.values[k] = min(self.values[k], v)
-            elif k.endswith("_max"):
-                self.values[k] = max(self.values[k], v)
-            else:
-                self.values[k] += v
+            self.values[k] = self.COMBINE[self.reduction(k)](self.values[k], v) if k in self.values else v
 
     def result(self, passes: int) -> dict[str, float]:
         """The whole step's values: each rank holds its share of the global loss and metrics, so they are summed
         (min/max taken) over ranks too; sums are then averaged over the mu passes."""
         out: dict[str, float] = {}
-        for op in ("min", "max", "sum"):
-            mine = {k: v for k, v in self.values.items() if (k.endswith(f"_{op}") if op != "sum"
-                                                             else not k.endswith(("_min", "_max")))}
-            out.update(all_reduce_values(mine, op))
-        return {k: v if k.endswith(("_min", "_max")) else v / passes for k, v in out.items()}
+        for op in self.COMBINE:
+            out.update(all_reduce_values({k: v for k, v in self.values.items() if self.reduction(k) == op}, op))
+        return {k: v / passes if self.reduction(k) == "sum" else v for k, v in out.items()}
 
 
 def _scheduler(optimizer: Any, name: str, warmup_ratio: float, total: int) -> Any:

@@ -64,6 +64,9 @@ class TrainConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     logprob_chunk_size: int = 4096  # rows x positions per log-softmax chunk, bounds the float32 logits held at once
+    # One decoder pass per distinct prompt in a micro-batch, its keys/values shared by that prompt's rows (same
+    # log-probs and gradients; off for sliding-window models automatically). False: every row recomputes its prompt.
+    share_prompt: bool = True
 
 
 @dataclass

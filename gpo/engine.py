@@ -69,7 +69,7 @@ class Engine:
         self.ref = None  # loaded only when the objective uses a KL term
         if self.objective.needs_ref_logprobs:
             ref_model = load_policy(model_cfg, trainable=False)
-            self.ref = prepare_reference(self.accelerator, TokenLogprobs(ref_model, T.logprob_chunk_size))
+            self.ref = prepare_reference(self.accelerator, TokenLogprobs(ref_model, T.logprob_chunk_size, T.share_prompt))
         self.sampling = Sampling(max_new_tokens=T.max_completion_length, temperature=T.temperature, top_p=T.top_p)
 
         O = self.optim_cfg
@@ -78,7 +78,7 @@ class Engine:
             lr=O.lr, betas=tuple(O.betas), eps=O.eps, weight_decay=O.weight_decay, fused=O.fused,
         )
         self.module, self.optimizer = prepare_policy(
-            self.accelerator, TokenLogprobs(self.policy, T.logprob_chunk_size), optimizer
+            self.accelerator, TokenLogprobs(self.policy, T.logprob_chunk_size, T.share_prompt), optimizer
         )
         self.scheduler = _scheduler(self.optimizer, O.schedule, O.warmup_ratio, total=T.steps * T.mu)
         self.accelerator.register_for_checkpointing(self.scheduler)

@@ -108,6 +108,25 @@ def test_fused_adamw_is_the_default_and_trains_like_the_per_tensor_loop(tiny_mod
     assert moved > 1e-3 and gap < 1e-5, (moved, gap)
 
 
+def test_shared_prompt_steps_train_like_full_passes(tiny_model_path, tmp_path):
+    """Two GRPO steps with mu=2 (old-policy pass), beta>0 (reference pass): the same weights either way."""
+    from gpo.engine import Engine
+
+    extra = ("pruner=none", "allocator=static", "train.mu=2", "algo.beta=0.04")
+    shared = Engine(tiny_config(tiny_model_path, tmp_path / "a", *extra))
+    full = Engine(tiny_config(tiny_model_path, tmp_path / "b", *extra, "train.share_prompt=false"))
+    assert shared.module.share_prompt and shared.ref.share_prompt and not full.module.share_prompt
+    start = [p.detach().clone() for p in shared.policy.parameters()]
+    for engine in (shared, full):
+        for _ in range(2):
+            metrics = engine.step()
+    moved = max((p.detach() - s).abs().max().item() for p, s in zip(shared.policy.parameters(), start))
+    gap = max((a.detach() - b.detach()).abs().max().item()
+              for a, b in zip(shared.policy.parameters(), full.policy.parameters()))
+    assert moved > 1e-3 and gap < 1e-5, (moved, gap)
+    assert metrics["kl/mean"] > 0  # the reference pass ran and the policy has moved away from it
+
+
 def test_lora_trains_only_the_adapter_and_saves_a_merged_model(tiny_model_path, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -74,10 +74,13 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(key: str, title: str, body: str, enabled: bool = True) -> None:
-    """Replace (or append) this script's section of docs/benchmarks.md; other sections are left as they are."""
+def write_section(key: str, title: str, body: str, enabled: bool = True, variant: list[str] = ()) -> None:
+    """Replace (or append) this script's section of docs/benchmarks.md; other sections are left as they are.
+    A run with `--set` overrides (`variant`) gets a section of its own beside the default one."""
     if not enabled:  # --no-write: a trial run at tiny sizes must not overwrite measured figures
         return
+    if variant:
+        key, title = f"{key} {' '.join(variant)}", f"{title} ({' '.join(variant)})"
     command = "python " + " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
     section = (f"<!-- bench:{key} -->\n## {title}\n\n`{command}` ({date.today().isoformat()}, "
                f"torch {_torch_version()}, {os.cpu_count()} CPU cores)\n\n{body.strip()}\n<!-- /bench:{key} -->")

@@ -4,6 +4,10 @@ of generated completions, with the top-k pruner at each rate P, side by side in 
 CPPO's claim for these phases is a speedup of up to 1/(1-P): only the kept rows reach a forward pass. The batch
 is generated once (default model and task, G=8); each repeat then runs P = 0, 0.5, 0.75, 0.875 in turn on the
 same batch, so load from other jobs hits every P alike, and speedups are paired within a repeat.
+Each P runs twice per repeat: with prompt sharing (the default, `train.share_prompt`: one decoder pass per distinct
+prompt in a micro-batch) and without it (every row recomputes its prompt, as in the CPPO paper's code and in TRL).
+Sharing makes the prompt a per-group cost that pruning rows cannot remove, so it lowers CPPO's ratio to P=0 while
+lowering every absolute time; both are reported.
 `--memory` also runs each P in its own process and reports the peak RSS of the post-generation phases.
 
     python bench/phases.py --questions 4 --repeats 3 --memory
@@ -38,6 +42,28 @@ def pruned(eng, batch, rate: float):
 
     pruner = registry.get("pruner", "topk").build({"rate": rate})
     return batch.select(pruner.keep(batch))
+
+
+def set_sharing(eng, on: bool) -> None:
+    """Switch prompt sharing in the policy's and the reference's log-prob modules (a plain attribute)."""
+    from gpo.logprobs import supports_prompt_sharing
+
+    for module in (eng.module, eng.ref):
+        if module is not None:
+            module = eng.accelerator.unwrap_model(module)
+            module.share_prompt = on and supports_prompt_sharing(module.model)
+
+
+def decoder_positions(kept, micro_batch: int, shared: bool) -> int:
+    """Padded positions the decoder processes for `kept`: per micro-batch, rows x (Lp + L) without sharing,
+    distinct prompts x Lp + rows x L with it (the work model behind the `token ideal` column)."""
+    from gpo.logprobs import distinct_prompts, micro_batches
+
+    total = 0
+    for mb in micro_batches(kept, micro_batch):
+        prompts = len(distinct_prompts(mb.prompt_ids, mb.prompt_mask)[0]) if shared else len(mb)
+        total += prompts * mb.prompt_ids.shape[1] + len(mb) * mb.completion_ids.shape[1]
+    return total
 
 
 def timed_phases(eng, kept) -> tuple[float, float]:
@@ -84,26 +110,36 @@ def main() -> None:
 
     eng, batch = build(args)
     kept = {P: pruned(eng, batch, P) for P in RATES}
-    timed_phases(eng, kept[0.0].to("cpu"))  # warm-up: first-call allocations are not part of any P
-    seconds = {P: [] for P in RATES}
-    split = {P: ([], []) for P in RATES}
-    for _ in range(args.repeats):
-        for P in RATES:
-            lp, up = timed_phases(eng, kept[P].to("cpu"))
-            seconds[P].append(lp + up)
-            split[P][0].append(lp)
-            split[P][1].append(up)
+    modes = [True, False]  # prompt sharing on (default), off
+    for on in modes:  # warm-up: first-call allocations are not part of any P
+        set_sharing(eng, on)
+        timed_phases(eng, kept[0.0].to("cpu"))
+    seconds = {(on, P): [] for on in modes for P in RATES}
+    split = {(on, P): ([], []) for on in modes for P in RATES}
+    for repeat in range(args.repeats):
+        for on in (modes if repeat % 2 == 0 else modes[::-1]):
+            set_sharing(eng, on)
+            for P in RATES:
+                lp, up = timed_phases(eng, kept[P].to("cpu"))
+                seconds[on, P].append(lp + up)
+                split[on, P][0].append(lp)
+                split[on, P][1].append(up)
+    set_sharing(eng, True)
     rows = []
-    for P in RATES:
-        ratios = [a / b for a, b in zip(seconds[0.0], seconds[P])]  # paired within a repeat
-        ideal = 1 / (1 - P)
-        tokens = int(kept[P].completion_mask.sum())
-        rows.append([P, len(kept[P]), tokens, kept[P].completion_ids.shape[1], spread(split[P][0]),
-                     spread(split[P][1]), spread(seconds[P]), spread(ratios), f"{ideal:.2f}",
-                     f"{100 * statistics.median(ratios) / ideal:.0f}%",
-                     f"{int(kept[0.0].completion_mask.sum()) / tokens:.2f}"])
-    headers = ["P", "rows", "tokens", "width L", "logprobs s", "update s", "total s", "speedup vs P=0", "ideal 1/(1-P)",
-               "% of ideal", "token ratio"]
+    for on in modes:
+        for P in RATES:
+            ratios = [a / b for a, b in zip(seconds[on, 0.0], seconds[on, P])]  # paired within a repeat
+            ideal = 1 / (1 - P)
+            tokens = int(kept[P].completion_mask.sum())
+            positions = decoder_positions(kept[P], args.micro_batch, on)
+            sharing_gain = [a / b for a, b in zip(seconds[False, P], seconds[True, P])]
+            rows.append(["on" if on else "off", P, len(kept[P]), tokens, spread(split[on, P][0]),
+                         spread(split[on, P][1]), spread(seconds[on, P]), spread(ratios), f"{ideal:.2f}",
+                         f"{100 * statistics.median(ratios) / ideal:.0f}%",
+                         f"{decoder_positions(kept[0.0], args.micro_batch, on) / positions:.2f}",
+                         spread(sharing_gain) if on else "-"])
+    headers = ["prompt sharing", "P", "rows", "tokens", "logprobs s", "update s", "total s", "speedup vs P=0",
+               "ideal 1/(1-P)", "% of ideal", "token ideal", "sharing speedup"]
     body = table(headers, rows)
     if args.memory:
         mem = [[P, *(f"{v:.0f}" for v in child("phases.py", *_child_args(args), "--rate", str(P)).values())]
@@ -118,9 +154,12 @@ def main() -> None:
             f"{args.micro_batch}. {args.repeats} repeats after one warm-up, P interleaved within each repeat; cells "
             "are median (min-max); speedups are paired within a repeat. `token ratio` = completion tokens at P=0 / at "
             "P: top-k keeps the largest |advantage|, not an average-length sample, so the token ideal can differ "
-            "from 1/(1-P).")
+            "from 1/(1-P). `token ideal` = padded decoder positions at P=0 / at P (prompt counted once per distinct "
+            "prompt per micro-batch when shared): the speedup pruning could give if time followed decoder work. "
+            "`sharing speedup` = time without sharing / with it, at the same P, paired within a repeat. Memory "
+            "is measured with sharing on (the default).")
     write_section("phases", "Phase speedup: log-probs + update on one fixed batch, by pruning rate P", body + note,
-                  enabled=not args.no_write)
+                  enabled=not args.no_write, variant=args.set)
 
 
 def _child_args(args: argparse.Namespace) -> list[str]:

@@ -95,12 +95,8 @@ def main() -> None:
             "target at those marks). With this few steps and questions, accuracy differences of one or two "
             f"questions out of {args.eval_limit} are noise; read this table as a smoke test of the setup, not "
             "evidence for or against the paper's claim.")
-    # Runs with other --set overrides (a harder task) get a section of their own beside the default one.
-    variant = " ".join(args.set)
-    write_section("time_to_reward" + (f" {variant}" if variant else ""),
-                  "Time to reward: GRPO vs CPPO at equal wall-clock budget" + (f" ({variant})" if variant else ""),
-                  body + note,
-                  enabled=not args.no_write)
+    write_section("time_to_reward", "Time to reward: GRPO vs CPPO at equal wall-clock budget", body + note,
+                  enabled=not args.no_write, variant=args.set)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ class Engine:
         self.ref = None  # loaded only when the objective uses a KL term
         if self.objective.needs_ref_logprobs:
             ref_model = load_policy(model_cfg, trainable=False)
-            self.ref = prepare_reference(self.accelerator, TokenLogprobs(ref_model, T.logprob_chunk_size, T.share_prompt))
+            self.ref = prepare_reference(self.accelerator,
+                                         TokenLogprobs(ref_model, T.logprob_chunk_size, T.share_prompt))
         self.sampling = Sampling(max_new_tokens=T.max_completion_length, temperature=T.temperature, top_p=T.top_p)
 
         O = self.optim_cfg

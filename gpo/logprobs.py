@@ -83,6 +83,8 @@ class TokenLogprobs(nn.Module):
         from transformers.cache_utils import Cache
 
         decoder = self.model.get_decoder()
+        # Under gradient checkpointing the layers would turn `use_cache` off (with a warning) and keep the cache
+        # only through `_cache_survives_checkpointing`; ask for it only where it is honoured as asked.
         checkpointing = bool(getattr(self.model, "is_gradient_checkpointing", False))
         RecordingLayer, PrefixLayer = _cache_layers()
         recorded = Cache(layer_class_to_replicate=RecordingLayer)

@@ -74,13 +74,15 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(key: str, title: str, body: str, enabled: bool = True, variant: list[str] = ()) -> None:
+def write_section(key: str, title: str, body: str, args) -> None:
     """Replace (or append) this script's section of docs/benchmarks.md; other sections are left as they are.
-    A run with `--set` overrides (`variant`) gets a section of its own beside the default one."""
-    if not enabled:  # --no-write: a trial run at tiny sizes must not overwrite measured figures
+    `args` carries the options of `add_common`: with --no-write nothing is written (a trial run at tiny sizes must
+    not overwrite measured figures), and a run with --set overrides gets a section of its own beside the default."""
+    if args.no_write:
         return
-    if variant:
-        key, title = f"{key} {' '.join(variant)}", f"{title} ({' '.join(variant)})"
+    if args.set:
+        variant = " ".join(args.set)
+        key, title = f"{key} {variant}", f"{title} ({variant})"
     command = "python " + " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
     section = (f"<!-- bench:{key} -->\n## {title}\n\n`{command}` ({date.today().isoformat()}, "
                f"torch {_torch_version()}, {os.cpu_count()} CPU cores)\n\n{body.strip()}\n<!-- /bench:{key} -->")

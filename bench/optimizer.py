@@ -53,8 +53,7 @@ def main() -> None:
     note = (f"\n\n{args.model}: {sum(q.numel() for q in params) / 1e6:.0f}M parameters in {len(params)} tensors, "
             f"float32; lr 0 (the same work, the weights stay put); {args.repeats} repeats after a warm-up, the "
             "implementations alternated; cells are median (min-max), speedups paired within a repeat.")
-    write_section("optimizer", "Optimizer step: AdamW implementations", body + note,
-                  enabled=not args.no_write, variant=args.set)
+    write_section("optimizer", "Optimizer step: AdamW implementations", body + note, args)
 
 
 if __name__ == "__main__":

@@ -115,8 +115,7 @@ def main() -> None:
             "and cppo-static generate identical completions (equal `tokens generated`) with the same weights in "
             "memory, and Amdahl's premise, an unchanged generation phase, holds. `s / trained row` shows the price of the dynamic allocator: it generates 1/(1-P) times the completions "
             "to fill GRPO's rows, so per trained row it is slower, by design. It buys more questions seen per step.")
-    write_section("steps", "Step speedup vs Amdahl's bound: GRPO vs CPPO", body + note,
-                  enabled=not args.no_write, variant=args.set)
+    write_section("steps", "Step speedup vs Amdahl's bound: GRPO vs CPPO", body + note, args)
 
 
 def _part(kind: str, name: str, cfg: dict):

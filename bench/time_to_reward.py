@@ -95,8 +95,7 @@ def main() -> None:
             "target at those marks). With this few steps and questions, accuracy differences of one or two "
             f"questions out of {args.eval_limit} are noise; read this table as a smoke test of the setup, not "
             "evidence for or against the paper's claim.")
-    write_section("time_to_reward", "Time to reward: GRPO vs CPPO at equal wall-clock budget", body + note,
-                  enabled=not args.no_write, variant=args.set)
+    write_section("time_to_reward", "Time to reward: GRPO vs CPPO at equal wall-clock budget", body + note, args)
 
 
 if __name__ == "__main__":

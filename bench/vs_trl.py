@@ -137,8 +137,7 @@ def main() -> None:
             "Engine.step). Peak RSS is the whole child process (model load included), both loading a policy and a "
             "reference copy. Sampling differs between the frameworks (different RNG use), so completion lengths, "
             "and with them step times, differ a little from step to step.")
-    write_section("vs_trl", "gpo vs TRL GRPOTrainer: step time and peak memory", body + note,
-                  enabled=not args.no_write, variant=args.set)
+    write_section("vs_trl", "gpo vs TRL GRPOTrainer: step time and peak memory", body + note, args)
 
 
 if __name__ == "__main__":

@@ -45,13 +45,10 @@ def pruned(eng, batch, rate: float):
 
 
 def set_sharing(eng, on: bool) -> None:
-    """Switch prompt sharing in the policy's and the reference's log-prob modules (a plain attribute)."""
-    from gpo.logprobs import supports_prompt_sharing
-
+    """Switch prompt sharing in the policy's and the reference's log-prob modules."""
     for module in (eng.module, eng.ref):
         if module is not None:
-            module = eng.accelerator.unwrap_model(module)
-            module.share_prompt = on and supports_prompt_sharing(module.model)
+            eng.accelerator.unwrap_model(module).share_prompt = on
 
 
 def decoder_positions(kept, micro_batch: int, shared: bool) -> int:
@@ -159,7 +156,7 @@ def main() -> None:
             "`sharing speedup` = time without sharing / with it, at the same P, paired within a repeat. Memory "
             "is measured with sharing on (the default).")
     write_section("phases", "Phase speedup: log-probs + update on one fixed batch, by pruning rate P", body + note,
-                  enabled=not args.no_write, variant=args.set)
+                  args)
 
 
 def _child_args(args: argparse.Namespace) -> list[str]:

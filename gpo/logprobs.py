@@ -41,7 +41,16 @@ class TokenLogprobs(nn.Module):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
-        self.share_prompt = share_prompt and supports_prompt_sharing(model)
+        self.share_prompt = share_prompt
+
+    @property
+    def share_prompt(self) -> bool:
+        return self._share_prompt
+
+    @share_prompt.setter
+    def share_prompt(self, on: bool) -> None:
+        """Asked-for sharing holds only where it is exact for the model (see `supports_prompt_sharing`)."""
+        self._share_prompt = on and supports_prompt_sharing(self.model)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
                 temperature: float = 1.0) -> Tensor:

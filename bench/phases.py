@@ -128,15 +128,16 @@ def main() -> None:
             ratios = [a / b for a, b in zip(seconds[on, 0.0], seconds[on, P])]  # paired within a repeat
             ideal = 1 / (1 - P)
             tokens = int(kept[P].completion_mask.sum())
-            positions = decoder_positions(kept[P], args.micro_batch, on)
+            work = [decoder_positions(kept[rate], args.micro_batch, on) for rate in (0.0, P)]
+            work_ideal = work[0] / work[1]
             sharing_gain = [a / b for a, b in zip(seconds[False, P], seconds[True, P])]
             rows.append(["on" if on else "off", P, len(kept[P]), tokens, spread(split[on, P][0]),
                          spread(split[on, P][1]), spread(seconds[on, P]), spread(ratios), f"{ideal:.2f}",
-                         f"{100 * statistics.median(ratios) / ideal:.0f}%",
-                         f"{decoder_positions(kept[0.0], args.micro_batch, on) / positions:.2f}",
+                         f"{100 * statistics.median(ratios) / ideal:.0f}%", f"{work_ideal:.2f}",
+                         f"{100 * statistics.median(ratios) / work_ideal:.0f}%",
                          spread(sharing_gain) if on else "-"])
     headers = ["prompt sharing", "P", "rows", "tokens", "logprobs s", "update s", "total s", "speedup vs P=0",
-               "ideal 1/(1-P)", "% of ideal", "token ideal", "sharing speedup"]
+               "ideal 1/(1-P)", "% of ideal", "token ideal", "% of token ideal", "sharing speedup"]
     body = table(headers, rows)
     if args.memory:
         mem = [[P, *(f"{v:.0f}" for v in child("phases.py", *_child_args(args), "--rate", str(P)).values())]
@@ -145,16 +146,18 @@ def main() -> None:
             ["P", "post-generation phases", "whole process", "until end of generation"], mem)
     print(body)
     lengths = batch.lengths.float()
-    note = (f"\n\nBatch: B={args.questions} questions x G={args.group} = {len(batch)} completions of the arith task "
-            f"from {args.model}, at most {args.max_new} new tokens (mean length {lengths.mean():.1f}, "
-            f"{int(batch.truncated.sum())} truncated); mu={args.mu}, beta={args.beta} (reference pass on), micro-batch "
-            f"{args.micro_batch}. {args.repeats} repeats after one warm-up, P interleaved within each repeat; cells "
-            "are median (min-max); speedups are paired within a repeat. `token ratio` = completion tokens at P=0 / at "
-            "P: top-k keeps the largest |advantage|, not an average-length sample, so the token ideal can differ "
-            "from 1/(1-P). `token ideal` = padded decoder positions at P=0 / at P (prompt counted once per distinct "
-            "prompt per micro-batch when shared): the speedup pruning could give if time followed decoder work. "
-            "`sharing speedup` = time without sharing / with it, at the same P, paired within a repeat. Memory "
-            "is measured with sharing on (the default).")
+    note = (f"\n\nBatch: B={args.questions} questions x G={args.group} = {len(batch)} completions of the "
+            f"{eng.cfg.task.name} task from {args.model}, at most {args.max_new} new tokens (mean length "
+            f"{lengths.mean():.1f}, {int(batch.truncated.sum())} truncated); mu={args.mu}, beta={args.beta} "
+            f"(reference pass on), micro-batch {args.micro_batch}. {args.repeats} repeats after one warm-up, P "
+            "interleaved within each repeat; cells "
+            "are median (min-max); speedups are paired within a repeat. `token ideal` = padded decoder positions at "
+            "P=0 / at P (prompt counted once per distinct prompt per micro-batch when shared): the speedup pruning "
+            "could give if time followed decoder work. It differs from 1/(1-P) because top-k keeps the largest "
+            "|advantage|, not an average-length sample, and, with sharing, because a prompt is paid once per group "
+            "whatever the number of rows kept. "
+            "`sharing speedup` = time without sharing / with it, at the same P, paired within a repeat."
+            + (" Memory is measured with sharing on (the default)." if args.memory else ""))
     write_section("phases", "Phase speedup: log-probs + update on one fixed batch, by pruning rate P", body + note,
                   args)
 

@@ -105,7 +105,7 @@ def main() -> None:
     ])
     body = table(headers, rows) + "\n\n" + summary
     print(body)
-    note = (f"\n\nSizes: {args.model}, arith, B={args.questions}, G={args.group}, at most {args.max_new} new tokens, "
+    note = (f"\n\nSizes: {args.model}, {eng.cfg.task.name}, B={args.questions}, G={args.group}, at most {args.max_new} new tokens, "
             f"P={args.rate}, beta 0.04 (reference pass on), mu 1, optim.lr=0 (see below). One engine, one warm-up "
             f"step per arm, then {args.repeats} repeats, each running the arms on the same questions, in an order "
             "that rotates from repeat to repeat; cells are median (min-max). Generation share s (generate + reward, of "

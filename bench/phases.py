@@ -108,17 +108,14 @@ def main() -> None:
     eng, batch = build(args)
     kept = {P: pruned(eng, batch, P) for P in RATES}
     modes = [True, False]  # prompt sharing on (default), off
-    for on in modes:  # warm-up: first-call allocations are not part of any P
-        set_sharing(eng, on)
-        timed_phases(eng, kept[0.0].to("cpu"))
     seconds = {(on, P): [] for on in modes for P in RATES}
     split = {(on, P): ([], []) for on in modes for P in RATES}
     for repeat in range(args.repeats):
         for on in (modes if repeat % 2 == 0 else modes[::-1]):
             set_sharing(eng, on)
             for P in RATES:
-                # An untimed run of the same P first, so each timed run is in steady state for its shapes (the
-                # runs otherwise follow the smallest P with the largest one).
+                # An untimed run of the same P first (the warm-up): each timed run is in steady state for its
+                # shapes, and first-call allocations are not part of any P.
                 timed_phases(eng, kept[P].to("cpu"))
                 lp, up = timed_phases(eng, kept[P].to("cpu"))
                 seconds[on, P].append(lp + up)
@@ -129,15 +126,14 @@ def main() -> None:
     for on in modes:
         for P in RATES:
             ratios = [a / b for a, b in zip(seconds[on, 0.0], seconds[on, P])]  # paired within a repeat
-            ideal = 1 / (1 - P)
+            speedup, ideal = statistics.median(ratios), 1 / (1 - P)
             tokens = int(kept[P].completion_mask.sum())
-            work = [decoder_positions(kept[rate], args.micro_batch, on) for rate in (0.0, P)]
-            work_ideal = work[0] / work[1]
+            work_ideal = (decoder_positions(kept[0.0], args.micro_batch, on)
+                          / decoder_positions(kept[P], args.micro_batch, on))
             sharing_gain = [a / b for a, b in zip(seconds[False, P], seconds[True, P])]
             rows.append(["on" if on else "off", P, len(kept[P]), tokens, spread(split[on, P][0]),
                          spread(split[on, P][1]), spread(seconds[on, P]), spread(ratios), f"{ideal:.2f}",
-                         f"{100 * statistics.median(ratios) / ideal:.0f}%", f"{work_ideal:.2f}",
-                         f"{100 * statistics.median(ratios) / work_ideal:.0f}%",
+                         f"{100 * speedup / ideal:.0f}%", f"{work_ideal:.2f}", f"{100 * speedup / work_ideal:.0f}%",
                          spread(sharing_gain) if on else "-"])
     headers = ["prompt sharing", "P", "rows", "tokens", "logprobs s", "update s", "total s", "speedup vs P=0",
                "ideal 1/(1-P)", "% of ideal", "token ideal", "% of token ideal", "sharing speedup"]
@@ -152,9 +148,8 @@ def main() -> None:
     note = (f"\n\nBatch: B={args.questions} questions x G={args.group} = {len(batch)} completions of the "
             f"{eng.cfg.task.name} task from {args.model}, at most {args.max_new} new tokens (mean length "
             f"{lengths.mean():.1f}, {int(batch.truncated.sum())} truncated); mu={args.mu}, beta={args.beta} "
-            f"(reference pass on), micro-batch {args.micro_batch}. {args.repeats} repeats after one warm-up, P "
-            "interleaved within each repeat, each timed run right after an untimed run of the same P (steady "
-            "state); cells "
+            f"(reference pass on), micro-batch {args.micro_batch}. {args.repeats} repeats, P interleaved within "
+            "each repeat, each timed run right after an untimed run of the same P (warm-up and steady state); cells "
             "are median (min-max); speedups are paired within a repeat. `token ideal` = padded decoder positions at "
             "P=0 / at P (prompt counted once per distinct prompt per micro-batch when shared): the speedup pruning "
             "could give if time followed decoder work. It differs from 1/(1-P) because top-k keeps the largest "

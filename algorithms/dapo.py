@@ -5,8 +5,12 @@ Four changes relative to GRPO:
   keeps entropy from collapsing.
 - token-level loss: one mean over every token of the step (global count, across ranks and accumulation steps),
   so long completions are not down-weighted.
-- dynamic sampling: groups whose rewards are all equal have zero advantage. They are dropped (`group_filter`),
-  and the allocator refills the step with other questions.
+- dynamic sampling: groups whose completions are all right or all wrong teach nothing. The paper (eq. 11,
+  0 < |{correct}| < G) and its verl recipe test the *accuracy* of a group, not its shaped reward: with a format
+  component or the overlong penalty an all-correct group would otherwise survive and train on format or length
+  differences alone. `filter_on=accuracy` (default) drops groups whose task `accuracy` component is constant;
+  `filter_on=total` drops groups whose shaped total is constant (the behaviour before, for tasks that report no
+  accuracy). Dropped groups are refilled by the allocator with other questions.
 - overlong reward shaping: a soft penalty in the last `buffer` tokens before the length limit, added to the
   reward. The paper prefers it to masking truncated completions, which remains available as `mask_truncated`.
 There is no KL term (beta 0), so no reference model. The advantage epsilon is 1e-6, the value in the paper's code
@@ -37,7 +41,8 @@ class DAPOConfig:
     is_correction: str = "token"  # token | sequence | none: weigh losses by min(pi_old / pi_sampler, is_cap)
     is_cap: float = 2.0  # truncation of those weights; they apply only with a backend that reports log-probs (vllm)
     std_eps: float = 1e-6  # verl's value (the paper's code)
-    dynamic_sampling: bool = True  # drop groups whose rewards are all equal
+    dynamic_sampling: bool = True  # drop groups with nothing to learn from (see filter_on)
+    filter_on: str = "accuracy"  # accuracy (paper, eq. 11) | total: which reward must vary within a kept group
     overlong_penalty: bool = True  # soft overlong punishment added to the reward
     overlong_buffer: int | None = None  # tokens before the limit where the penalty ramps; null: 20% of the limit
     overlong_factor: float = 1.0  # penalty at the length limit
@@ -46,6 +51,7 @@ class DAPOConfig:
 
 # The paper's buffer is 4096 tokens of a 20480-token limit; as a share of the limit it carries to other limits.
 DEFAULT_BUFFER_SHARE = 4096 / 20480
+FILTER_ON = ("accuracy", "total")
 
 
 @register("algo", "dapo", config=DAPOConfig)
@@ -55,6 +61,8 @@ class DAPO:
     def __init__(self, cfg: DAPOConfig, mu: int = 1, max_completion_length: int | None = None) -> None:
         if mu < 1:
             raise UserError(f"train.mu (policy updates per generation) must be >= 1, got {mu}.")
+        if cfg.filter_on not in FILTER_ON:
+            raise UserError(f"algo.filter_on must be one of {', '.join(FILTER_ON)}, got `{cfg.filter_on}`.")
         self.cfg = cfg
         self.max_length = max_completion_length
         self.buffer = cfg.overlong_buffer
@@ -80,10 +88,17 @@ class DAPO:
         penalty = ops.overlong_penalty(lengths, self.max_length, self.buffer, self.cfg.overlong_factor)  # [B, G]
         return rewards + penalty.to(rewards.dtype)
 
-    def group_filter(self, rewards: Tensor) -> Tensor:
+    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
         if not self.cfg.dynamic_sampling:
             return torch.ones(rewards.shape[0], dtype=torch.bool)  # [B]
-        return ~ops.zero_variance_groups(rewards)  # [B]
+        if self.cfg.filter_on == "total":
+            return ~ops.zero_variance_groups(rewards)  # [B]
+        if "accuracy" not in components:
+            raise UserError(
+                f"algo.filter_on=accuracy needs the task's `accuracy` reward component, but it reports "
+                f"{sorted(components) or 'none'}; set algo.filter_on=total to filter on the shaped total reward."
+            )
+        return ~ops.zero_variance_groups(components["accuracy"])  # [B]
 
     def advantages(self, rewards: Tensor) -> Tensor:
         return ops.group_advantages(rewards, scale_by_std=True, eps=self.cfg.std_eps)  # [B, G]

@@ -59,7 +59,7 @@ class DrGRPO:
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
         return rewards
 
-    def group_filter(self, rewards: Tensor) -> Tensor:
+    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
         return torch.ones(rewards.shape[0], dtype=torch.bool)  # [B]
 
     def advantages(self, rewards: Tensor) -> Tensor:

@@ -52,7 +52,7 @@ class GRPO:
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
         return rewards
 
-    def group_filter(self, rewards: Tensor) -> Tensor:
+    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
         return torch.ones(rewards.shape[0], dtype=torch.bool)  # [B]
 
     def advantages(self, rewards: Tensor) -> Tensor:

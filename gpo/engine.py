@@ -24,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpo import checkpoint, registry
 from gpo.config import section, to_object, to_yaml
-from gpo.distributed import all_gather_batch, all_reduce_sum, all_reduce_values, keep_divisible, shard, world
+from gpo.distributed import (all_gather_batch, all_reduce_sum, all_reduce_values, keep_divisible,
+                             peer_failures_explained, shard, world)
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
 from gpo.models import load_policy, load_tokenizer
@@ -32,7 +33,7 @@ from gpo.ops import advantage_metrics
 from gpo.parallel import (accumulating, build_accelerator, full_state_dict, gathered, prepare_policy,
                           prepare_reference)
 from gpo.pruners.metrics import prune_metrics
-from gpo.rollout import encode_prompts, generate
+from gpo.rollout import completion_tokens, decode_completions, encode_prompts, generate
 from gpo.sampler import QuestionStream
 from gpo.tracking import NullTracker
 from gpo.types import RolloutBatch, Sampling, StepTotals
@@ -143,7 +144,7 @@ class Engine:
                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
             )
         with timer("reward"):
-            texts = self.tokenizer.batch_decode(local.completion_ids * local.completion_mask, skip_special_tokens=True)
+            texts = decode_completions(self.tokenizer, completion_tokens(local))
             scored = self.task.reward(texts, [e for e in mine for _ in range(G)])
             local.rewards = torch.tensor(scored.total, dtype=torch.float32)  # [N_rank]
             local.reward_components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scored.components.items()}
@@ -154,7 +155,8 @@ class Engine:
         rewards = self.objective.shape_rewards(
             batch.rewards.view(-1, G), batch.lengths.view(-1, G), batch.truncated.view(-1, G)
         )  # [B, G]
-        group_keep = self.objective.group_filter(rewards)  # [B]
+        components = {k: v.view(-1, G) for k, v in batch.reward_components.items()}  # name -> [B, G]
+        group_keep = self.objective.group_filter(rewards, components)  # [B]
         advantages = self.objective.advantages(rewards)  # [B, G]
         return dataclasses.replace(batch, rewards=rewards.flatten(), advantages=advantages.flatten()), group_keep
 
@@ -346,13 +348,15 @@ class Engine:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Entry point of `gpo run`."""
-    engine = Engine(cfg)
-    try:
-        return engine.run()
-    finally:
-        getattr(engine.backend, "close", lambda: None)()  # a generator on the process group (vLLM) goes first
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()  # ZeRO-3 aborts at exit otherwise
+    engine: Engine | None = None
+    with peer_failures_explained(lambda: engine.how_to_continue() if engine else ""):
+        engine = Engine(cfg)
+        try:
+            return engine.run()
+        finally:
+            getattr(engine.backend, "close", lambda: None)()  # a generator on the process group (vLLM) goes first
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()  # ZeRO-3 aborts at exit otherwise
 
 
 # --- small helpers --------------------------------------------------------------------------------------------

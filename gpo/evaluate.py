@@ -34,7 +34,7 @@ def evaluate(model: Any, tokenizer: Any, backend: Backend, task: Task, examples:
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    from gpo.rollout import encode_prompts
+    from gpo.rollout import decode_completions, encode_prompts
 
     was_training = bool(getattr(model, "training", False))
     if hasattr(model, "eval"):
@@ -45,7 +45,7 @@ def evaluate(model: Any, tokenizer: Any, backend: Backend, task: Task, examples:
             batch = list(examples[lo:lo + batch_size])
             prompt_ids = encode_prompts(tokenizer, [task.prompt(ex) for ex in batch], max_prompt_length)
             completion_ids = backend.generate(prompt_ids, 1, sampling, EVAL_SEED)  # [b] token id lists
-            texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+            texts = decode_completions(tokenizer, completion_ids)
             for i, (ids, text, grade) in enumerate(zip(completion_ids, texts, task.grade(texts, batch), strict=True)):
                 records.append({
                     "index": lo + i,

@@ -11,14 +11,65 @@ from gpo.types import Backend, Messages, RolloutBatch, Sampling
 
 
 def encode_prompts(tokenizer: Any, conversations: list[Messages], max_prompt_length: int) -> list[list[int]]:
-    """Token ids of each conversation with the generation prompt; over-long prompts keep their last tokens."""
+    """Token ids of each conversation with the generation prompt; over-long prompts keep their last tokens.
+
+    Chat templates without a system role (Gemma 2, older Mistral) raise on a system message; the system text must
+    still reach the model, so it is folded into the first user turn, as those models' own recipes do.
+    """
+    from jinja2 import TemplateError
+
+    from gpo.errors import UserError
+
     encoded = []
     for messages in conversations:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
+        try:
+            ids = _chat_template_ids(tokenizer, messages)
+        except TemplateError as exc:
+            folded = fold_system_message(messages)
+            if folded == messages:
+                raise UserError(f"the tokenizer's chat template rejects the task's prompt: {exc}") from exc
+            try:
+                ids = _chat_template_ids(tokenizer, folded)
+            except TemplateError as again:
+                raise UserError(f"the tokenizer's chat template rejects the task's prompt, even with the system "
+                                f"message folded into the first user turn: {again}") from again
         encoded.append(list(ids[-max_prompt_length:]))
     return encoded
+
+
+def fold_system_message(messages: Messages) -> Messages:
+    """The conversation with a leading system message prepended to the first user turn (a blank line between)."""
+    if not messages or messages[0]["role"] != "system":
+        return messages
+    system, rest = messages[0]["content"], list(messages[1:])
+    for i, turn in enumerate(rest):
+        if turn["role"] == "user":
+            rest[i] = {**turn, "content": f"{system}\n\n{turn['content']}"}
+            return rest
+    return [{"role": "user", "content": system}, *rest]
+
+
+def _chat_template_ids(tokenizer: Any, messages: Messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def decode_completions(tokenizer: Any, completions: list[list[int]]) -> list[str]:
+    """The text of each completion, decoded from its own generated tokens only.
+
+    The one decoding used for rewards, evaluation records and logged completions. Never decode a padded or
+    mask-multiplied matrix: in the Qwen2.5, Llama-3 and GPT-2 vocabularies id 0 (and often the pad id) is an
+    ordinary token such as `!`, so padding would reach the reward function as text after a shorter completion.
+    """
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
+
+
+def completion_tokens(batch: RolloutBatch) -> list[list[int]]:
+    """Each row's generated tokens (up to and including EOS), without the padding of the batch matrix."""
+    lengths = batch.lengths.tolist()
+    return [row[:n] for row, n in zip(batch.completion_ids.tolist(), lengths, strict=True)]
 
 
 def completion_mask(completions: Tensor, eos_token_id: int, lengths: Tensor) -> Tensor:

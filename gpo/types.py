@@ -182,8 +182,9 @@ class Objective(Protocol):
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
         """[B, G] -> [B, G], e.g. DAPO's soft overlong penalty. Identity by default."""
 
-    def group_filter(self, rewards: Tensor) -> Tensor:
-        """[B, G] -> bool [B]: groups to keep (DAPO dynamic sampling drops zero-variance groups)."""
+    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
+        """Shaped rewards [B, G] and the task's raw reward components (name -> [B, G], e.g. "accuracy", "format")
+        -> bool [B]: groups to keep (DAPO dynamic sampling drops groups whose accuracy is all equal)."""
 
     def advantages(self, rewards: Tensor) -> Tensor:
         """[B, G] -> [B, G]."""

@@ -16,8 +16,8 @@ pruners, which differ only in the score they rank by.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
 from enum import Enum
 
 import torch
@@ -51,7 +51,9 @@ class TopKConfig:
 def kept_per_group(group_size: int, rate: float | None = None, keep: int | None = None) -> int:
     """k, the completions kept per group of `group_size`: `keep` if given, else G - round(G*P) (half rounds up).
 
-    Raises a UserError instead of truncating when k would fall outside 1..G.
+    G*P is computed on the rate as written, in decimal: in binary floating point 50 * 0.29 is 14.4999..., which
+    rounds to 14 where the rule gives round(14.5) = 15. `str(rate)` is the shortest decimal that reads back as
+    the same float, i.e. what the user wrote. Raises a UserError instead of truncating when k falls outside 1..G.
     """
     if keep is not None:
         k = keep
@@ -59,7 +61,8 @@ def kept_per_group(group_size: int, rate: float | None = None, keep: int | None 
     elif rate is not None:
         if not 0.0 <= rate < 1.0:
             raise UserError(f"pruning rate P must be in [0, 1), got {rate}: P=1 would prune every completion.")
-        k = group_size - math.floor(group_size * rate + 0.5)
+        pruned = (group_size * Decimal(str(rate))).quantize(Decimal(1), rounding=ROUND_HALF_UP)
+        k = group_size - int(pruned)
         what = f"rate={rate} (k = {group_size} - round({group_size}*{rate}) = {k})"
     else:
         raise UserError("set either `keep` (completions kept per group) or `rate` (fraction pruned, P).")

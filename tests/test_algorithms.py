@@ -93,10 +93,25 @@ def test_advantages_by_hand():
 
 
 def test_dynamic_sampling_drops_zero_variance_groups_in_dapo_only():
-    assert build("dapo").group_filter(REWARDS).tolist() == [True, False, True]
-    assert build("dapo", dynamic_sampling=False).group_filter(REWARDS).tolist() == [True, True, True]
-    assert build("grpo").group_filter(REWARDS).tolist() == [True, True, True]
-    assert build("dr_grpo").group_filter(REWARDS).tolist() == [True, True, True]
+    acc = {"accuracy": REWARDS}
+    assert build("dapo").group_filter(REWARDS, acc).tolist() == [True, False, True]
+    assert build("dapo", dynamic_sampling=False).group_filter(REWARDS, acc).tolist() == [True, True, True]
+    assert build("grpo").group_filter(REWARDS, acc).tolist() == [True, True, True]
+    assert build("dr_grpo").group_filter(REWARDS, acc).tolist() == [True, True, True]
+
+
+def test_dapo_filters_on_accuracy_not_on_the_shaped_total():
+    # Group 0: all correct, but one completion ran into the overlong penalty, so the shaped total varies.
+    # Group 1: all wrong with equal totals. Group 2: mixed accuracy. DAPO eq. 11 keeps only group 2.
+    accuracy = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 1.0]])
+    total = torch.tensor([[1.0, 1.0, 0.7, 1.0], [0.1, 0.1, 0.1, 0.1], [1.1, 0.1, 0.1, 1.1]])
+    components = {"accuracy": accuracy, "format": total - accuracy}
+    assert build("dapo").group_filter(total, components).tolist() == [False, False, True]
+    assert build("dapo", filter_on="total").group_filter(total, components).tolist() == [True, False, True]
+    with pytest.raises(UserError, match="filter_on=total"):
+        build("dapo").group_filter(total, {"format": total})
+    with pytest.raises(UserError, match="filter_on must be one of"):
+        build("dapo", filter_on="reward")
 
 
 def test_dapo_soft_overlong_penalty():

@@ -64,10 +64,36 @@ def kept_rows(keep):
         (16, 0.9, 2),  # 16 - round(14.4) = 2
         (4, 0.625, 1),  # 4 - round(2.5) = 4 - 3 = 1: halves round up, not to even
         (16, 0.0, 16),  # P = 0 is GRPO
+        (50, 0.29, 35),  # 50 - round(14.5) = 35; in binary floating point 50 * 0.29 = 14.4999... gave 36
+        (100, 0.145, 85),  # 100 - round(14.5) = 85
+        (25, 0.58, 10),  # 25 - round(14.5) = 10
     ],
 )
 def test_kept_per_group_from_rate(group_size, rate, expected):
     assert kept_per_group(group_size, rate=rate) == expected
+
+
+def test_kept_per_group_matches_the_documented_rule_on_the_whole_grid():
+    """Every G <= 128 and every P = m/1000: k = G - round(G*m/1000), halves up, in integer arithmetic only."""
+    for group_size in range(1, 129):
+        for m in range(1000):
+            rate = float(f"0.{m:03d}")  # the rate as a user writes it
+            pruned = (2 * group_size * m + 1000) // 2000  # floor(G*m/1000 + 1/2), exact
+            expected = group_size - pruned
+            if expected >= 1:
+                assert kept_per_group(group_size, rate=rate) == expected, (group_size, rate)
+            else:
+                with pytest.raises(UserError, match="keeps 0 of a group"):
+                    kept_per_group(group_size, rate=rate)
+
+
+def test_dynamic_allocator_shares_the_exact_k():
+    registry.load_builtins()
+    entry = registry.get("allocator", "dynamic")
+    allocator = entry.build(entry.config(rate=0.29))
+    # k = 35 of G = 50: 35 groups' worth of slots (1750) need ceil(1750 / 35) = 50 questions; the float rule's
+    # k = 36 drew ceil(1750 / 36) = 49.
+    assert allocator.first_round(slots=35 * 50, group_size=50, kept_per_group=None, world_size=1) == 50
 
 
 @pytest.mark.parametrize(

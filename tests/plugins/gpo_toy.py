@@ -30,7 +30,9 @@ class ToyTask:
 
     def reward(self, completions: list[str], examples: list[dict]) -> Rewards:
         lengths = [len(c) / 100 for c in completions]
-        return Rewards(total=lengths, components={"length": lengths})
+        # The length score is this toy's only notion of being right, so it is also its `accuracy` component
+        # (what DAPO's dynamic sampling filters on).
+        return Rewards(total=lengths, components={"accuracy": lengths})
 
     def grade(self, completions: list[str], examples: list[dict]) -> list[Grade]:
         return [Grade(extracted=c[-3:], gold=e["answer"], correct=c.strip().endswith(e["answer"]), formatted=True)

@@ -61,6 +61,31 @@ def group_advantages(rewards: Tensor, *, scale_by_std: bool = True, eps: float =
     return centred.masked_fill(flat, 0.0)
 
 
+def leave_one_out_advantages(rewards: Tensor) -> Tensor:
+    """RLOO: [B, G] rewards -> [B, G] advantages r_i - mean of the other G - 1 rewards of the group.
+
+    Equal to G / (G - 1) * (r_i - group mean): GRPO's unscaled advantage, stretched. Flat groups get exactly 0.
+    """
+    group_advantages(rewards, scale_by_std=False)  # the same checks of shape and G
+    G = rewards.shape[1]
+    baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)  # [B, G]
+    return (rewards - baseline).masked_fill(zero_variance_groups(rewards).unsqueeze(1), 0.0)
+
+
+def batch_whiten(advantages: Tensor, eps: float = 1e-8) -> Tensor:
+    """[B, G] -> [B, G]: (A - mean) / sqrt(var + eps), mean and Bessel-corrected var over all B*G values.
+
+    REINFORCE++'s global normalisation (verl's `masked_whiten` formula, over sequences rather than tokens).
+    Values of groups whose advantages are all 0 (no signal) stay exactly 0: the batch mean of group-centred
+    advantages is 0 but for rounding, which would otherwise leak into them.
+    """
+    if advantages.numel() < 2:
+        raise UserError(f"batch whitening needs at least 2 advantages, got {advantages.numel()}.")
+    flat = (advantages == 0).all(dim=1, keepdim=True)  # [B, 1]
+    whitened = (advantages - advantages.mean()) * torch.rsqrt(advantages.var() + eps)  # var: Bessel-corrected
+    return whitened.masked_fill(flat, 0.0)
+
+
 def zero_variance_groups(rewards: Tensor) -> Tensor:
     """[B, G] -> bool [B]: groups whose rewards are all equal (no learning signal)."""
     return (rewards == rewards[:, :1]).all(dim=1)  # [B]
@@ -122,6 +147,11 @@ def clipped_surrogate(
     """
     ratio = torch.exp(logp - old_logp)  # [n, L]
     adv = advantages.to(logp.dtype).unsqueeze(1)  # [n, 1]
+    return _clipped_terms(ratio, adv, eps_low, eps_high, dual_clip)
+
+
+def _clipped_terms(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None) -> Surrogate:
+    """The clipped loss of `ratio` ([n, L], or [n, 1] for one ratio per sequence) with advantages [n, 1]."""
     loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high))  # [n, L]
     low = (ratio < 1 - eps_low) & (adv < 0)  # [n, L]
     high = (ratio > 1 + eps_high) & (adv > 0)  # [n, L]
@@ -132,6 +162,91 @@ def clipped_surrogate(
         dual = (adv < 0) & (loss > cap)  # [n, L]
         loss = torch.where(dual, cap, loss)
     return Surrogate(loss, ratio, low, high, dual)
+
+
+def _expand(row: Tensor, like: Tensor) -> Tensor:
+    """[n] or [n, 1] -> [n, L]: one value per sequence on each of its tokens. The sequence-mean aggregation of the
+    expanded values gives back the row's value and, through autograd's sum over the copies, its gradient."""
+    return row.reshape(-1, 1).expand_as(like)
+
+
+def sequence_clipped_surrogate(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, eps_low: float, eps_high: float,
+    length_normalised: bool = True,
+) -> Surrogate:
+    """One clipped ratio per sequence: max(-A*s, -A*clip(s, 1-eps_low, 1+eps_high)) on each of its tokens.
+
+    `length_normalised`: s = exp(mean over the sequence's tokens of log(pi / pi_old)), GSPO's length-normalised
+    ratio (the geometric mean of the token ratios). Otherwise s = pi(y) / pi_old(y), the ratio of the whole
+    sequence's likelihood (the product of the token ratios; TRL's RLOO trainer). The gradient flows through s, so
+    with a sequence-mean aggregation each token of row i gets -A_i * ds_i / d logp_t, the same as GSPO's
+    token-level form sg(s_i) * pi_t / sg(pi_t).
+    logp, old_logp, mask: [n, L]; advantages: [n]. The returned ratio and clip flags are the row's, on every token.
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logp - old_logp, 0.0).sum(dim=1)  # [n]
+    if length_normalised:
+        log_ratio = log_ratio / m.sum(dim=1).clamp(min=1)
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # [n, 1]
+    rows = _clipped_terms(torch.exp(log_ratio).unsqueeze(1), adv, eps_low, eps_high, None)  # each [n, 1]
+    return Surrogate(*(_expand(x, logp) for x in rows))
+
+
+def clipped_weight_surrogate(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, *, weight_min: float | None, weight_max: float,
+) -> Surrogate:
+    """CISPO's per-token loss -sg(clip(r, weight_min, weight_max)) * A * log pi: the weight is clipped, not the
+    gradient, so every token keeps its REINFORCE gradient (scaled by the clipped weight).
+
+    `weight_min` None: no lower bound (the paper and TRL). Flags: `high_clipped` where r > weight_max and
+    `low_clipped` where r < weight_min, whatever the advantage's sign (the weight is capped either way).
+    logp, old_logp: [n, L]; advantages: [n].
+    """
+    ratio = torch.exp(logp - old_logp)  # [n, L]
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # [n, 1]
+    weight = ratio.clamp(min=weight_min, max=weight_max).detach()  # [n, L]
+    low = ratio < weight_min if weight_min is not None else torch.zeros_like(ratio, dtype=torch.bool)
+    return Surrogate(-weight * adv * logp, ratio, low, ratio > weight_max, torch.zeros_like(low))
+
+
+def soft_gate_surrogate(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float,
+) -> Surrogate:
+    """SAPO's per-token loss -f(r) * A with the smooth gate f(r) = (4 / tau) * sigmoid(tau * (r - 1)).
+
+    tau = tau_pos where A > 0, tau_neg otherwise. f(1) = 2 / tau and f'(1) = 1, so on-policy the gradient is
+    GRPO's; off-policy it fades smoothly instead of stopping at a clip edge. Nothing is clipped (flags all false).
+    logp, old_logp: [n, L]; advantages: [n].
+    """
+    ratio = torch.exp(logp - old_logp)  # [n, L]
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # [n, 1]
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(logp.dtype)  # [n, 1]
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)  # [n, L]
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    return Surrogate(-gate * adv, ratio, none, none, none)
+
+
+def geometric_mean_surrogate(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, eps_low: float, eps_high: float,
+) -> Surrogate:
+    """GMPO's sequence loss -A * exp(mean_t clip(log r_t)) on each of the sequence's tokens.
+
+    The log ratios are clipped before the mean, sign-aware as a PPO clip is: where A > 0 only the upper bound
+    eps_high binds (log r_t > eps_high counts as eps_high and passes no gradient), where A < 0 only the lower bound
+    -eps_low. The bounds are in log space: eps 0.4 keeps r_t within (e^-0.4, e^0.4).
+    logp, old_logp, mask: [n, L]; advantages: [n]. `ratio` is the token ratio; the flags mark clipped tokens.
+    """
+    m = mask.bool()
+    log_ratio = logp - old_logp  # [n, L]
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # [n, 1]
+    high = (adv > 0) & (log_ratio > eps_high)  # [n, L]
+    low = (adv < 0) & (log_ratio < -eps_low)  # [n, L]
+    # A = 0: both bounds, which changes nothing in a zero loss but keeps exp() finite.
+    bounded = torch.where(adv > 0, log_ratio.clamp(max=eps_high),
+                          torch.where(adv < 0, log_ratio.clamp(min=-eps_low), log_ratio.clamp(-eps_low, eps_high)))
+    mean_log = torch.where(m, bounded, 0.0).sum(dim=1) / m.sum(dim=1).clamp(min=1)  # [n]
+    loss = -adv.squeeze(1) * torch.exp(mean_log)  # [n]
+    return Surrogate(_expand(loss, logp), torch.exp(log_ratio), low, high, torch.zeros_like(low))
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3", clamp: float | None = None) -> Tensor:
@@ -206,30 +321,44 @@ def token_sum_norm(loss: Tensor, mask: Tensor, totals: StepTotals, normaliser: i
 AGGREGATIONS: dict[str, Aggregation] = {"seq_mean": seq_mean, "token_mean": token_mean}
 
 
+def check_clip_range(eps_low: float | None, eps_high: float | None) -> None:
+    """A clip range [1 - eps_low, 1 + eps_high] (or its log-space analogue) that a user can set: eps_low in [0, 1)."""
+    if eps_low is None or not 0 <= eps_low < 1:
+        raise UserError(f"algo.epsilon_low must be in [0, 1), got {eps_low}.")
+    if eps_high is None or eps_high < 0:
+        raise UserError(f"algo.epsilon_high must be >= 0, got {eps_high}.")
+
+
 # --- the loss of the family -------------------------------------------------------------------------------------
+
+
+SurrogateFn = Callable[[Tensor, Tensor, Tensor, Tensor], Surrogate]  # (logp, old_logp, advantages, mask)
 
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """Clipped surrogate + beta * KL per token, aggregated: the loss shared by GRPO, DAPO and Dr.GRPO.
+    """Surrogate + beta * KL per token, aggregated: the loss shared by every objective.
 
-    The objectives differ in its settings and in the aggregation they pass, never in this code.
+    The surrogate is PPO's clipped ratio with eps_low / eps_high (GRPO, DAPO, Dr.GRPO, REINFORCE++) unless
+    `surrogate` gives another per-token term (GSPO, CISPO, SAPO, GMPO, RLOO); KL, importance correction,
+    aggregation and metrics are the same for all. The objectives differ in these settings, never in this code.
     """
 
-    eps_low: float
-    eps_high: float
+    eps_low: float | None = None  # the clipped ratio's bounds; unused (None) with `surrogate`
+    eps_high: float | None = None
     beta: float = 0.0
     kl_estimator: str = "k3"
     kl_clamp: float | None = None
     dual_clip: float | None = None
     is_correction: str = "token"  # token | sequence | none; acts only on batches with sampler_logprobs
     is_cap: float = 2.0
+    surrogate: SurrogateFn | None = None  # another objective's per-token term, e.g. partial(soft_gate_surrogate, ...)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.eps_low < 1:
-            raise UserError(f"algo.epsilon_low must be in [0, 1), got {self.eps_low}.")
-        if self.eps_high < 0:
-            raise UserError(f"algo.epsilon_high must be >= 0, got {self.eps_high}.")
+        if self.surrogate is None:
+            check_clip_range(self.eps_low, self.eps_high)
+        elif self.dual_clip is not None:
+            raise UserError("algo.dual_clip applies to the clipped ratio only; this objective has its own surrogate.")
         if self.beta < 0:
             raise UserError(f"algo.beta (KL coefficient) must be >= 0, got {self.beta}.")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -252,6 +381,12 @@ class PolicyLoss:
                    kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
                    is_correction=cfg.is_correction, is_cap=cfg.is_cap)
 
+    @classmethod
+    def with_surrogate(cls, surrogate: SurrogateFn, cfg: Any) -> PolicyLoss:
+        """Another per-token term, with the KL and importance-correction settings of an objective's config."""
+        return cls(beta=cfg.beta, kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp,
+                   is_correction=cfg.is_correction, is_cap=cfg.is_cap, surrogate=surrogate)
+
     def __call__(
         self, logp: Tensor, batch: RolloutBatch, mask: Tensor, totals: StepTotals, aggregate: Aggregation,
     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -265,9 +400,12 @@ class PolicyLoss:
         # Padding may hold anything (even -inf); zero it so no NaN reaches the loss or its gradient.
         logp = logp.masked_fill(~m, 0.0)
         old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs.masked_fill(~m, 0.0)
-        surrogate = clipped_surrogate(
-            logp, old, batch.advantages, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip
-        )
+        if self.surrogate is None:
+            surrogate = clipped_surrogate(
+                logp, old, batch.advantages, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip
+            )
+        else:
+            surrogate = self.surrogate(logp, old, batch.advantages, m)
         per_token = surrogate.loss  # [n, L]
         tokens = max(totals.tokens, 1)
         metrics = {}

@@ -29,7 +29,7 @@ CONFIG_ROOT = Path(str(files("gpo.configs")))
 COMPONENT_GROUPS = registry.KINDS
 PLAIN_GROUPS = ("model", "engine")
 GROUPS = COMPONENT_GROUPS + PLAIN_GROUPS + ("experiment",)
-STUDY_KEYS = ("grid", "baseline")  # top-level keys of a study's experiment; gpo.study takes them out before composing
+STUDY_KEYS = ("grid", "baseline", "study")  # a study's own top-level keys; gpo.study takes them out before composing
 
 
 # --- schemas of the sections that are not registered components ---------------------------------------------
@@ -91,6 +91,27 @@ class EvalConfig:
     batch_size: int = 16
     max_new_tokens: int | None = None  # defaults to train.max_completion_length
     before_and_after: bool = True
+    # Sampled evaluation: `samples` completions per question at `temperature`/`top_p` give pass@k (unbiased
+    # estimator), avg@samples and maj@samples; 1 = one greedy completion (temperature unused), the default.
+    samples: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    pass_k: list[int] = field(default_factory=list)  # the k of pass@k; empty = 1, 2, 4, ... up to `samples`
+    # Further tasks scored on their test split at the end of a run (e.g. [aime24, amc23]; the run's own task
+    # name means its test split with the run's task settings). Metrics eval/after/<task>/...
+    tasks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StudyConfig:
+    """`gpo study` only (`study.KEY=V` or a `study:` section of an experiment); a single run refuses it."""
+
+    seeds: int = 1  # replicates: every combination with seed, seed+1, ... (or give `seed=1,2,3` as an axis)
+    parallel: int = 1  # runs at once on this machine; on GPUs each gets its own engine.num_processes devices
+    resume: str | None = None  # a study directory: finished runs are kept, failed/killed/missing ones run again
+    launcher: str = "local"  # local | ray (each run a Ray task with its CPUs/GPUs; pip install gpo[ray])
+    cpus_per_run: float = 1.0  # ray: CPUs reserved per run
+    ray_address: str | None = None  # ray: an existing cluster; None starts a local one
 
 
 @dataclass
@@ -106,6 +127,9 @@ class EngineConfig:
     mixed_precision: str = "no"  # no | bf16 | fp16
     deepspeed_stage: int = 0  # 0 = plain DDP; 2 or 3 = DeepSpeed ZeRO through Accelerate
     offload: bool = False
+    # A rank waiting this long on the others in one collective stops the run (a peer that hangs); torch's own
+    # default is 30 minutes. Longer than any one phase a rank runs alone (generation, saving the model).
+    collective_timeout_s: float = 600.0
 
 
 @dataclass

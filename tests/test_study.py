@@ -184,7 +184,9 @@ def test_report_table_arithmetic_on_known_runs(tmp_path):
     assert c["status"] == "FAILED" and c["error"].startswith("UserError: pruning rate")
     assert c["speedup"] == c["train_s"] == ""
     md = (tmp_path / "out" / "study.md").read_text()
-    assert "| 2 | pruner=topk | FINISHED |" in md and "1.00x" in md and "Baseline for speed-ups: `pruner=topk`" in md
+    assert "| 2 | pruner=topk | pruner=topk |  | yes | FINISHED |" in md and "1.00x" in md
+    assert "Baseline for speed-ups: `pruner=topk`" in md
+    assert "Combinations over seeds" not in md and not (tmp_path / "out" / "groups.csv").exists()  # no replicates
 
     with pytest.raises(UserError, match="no MLflow run `nope`"):
         report(["nope"], tracking_uri=uri, out_dir=tmp_path / "x")

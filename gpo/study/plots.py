@@ -1,0 +1,108 @@
+"""The study's figures (PNG, drawn on a bare matplotlib Figure: no pyplot, no display, no global backend).
+
+Spread is always shown: a group of replicates is drawn as its mean with a band from the lowest to the highest
+seed (reward vs time) or with 95% t-interval error bars (accuracy vs speed-up, the pruning-rate panels).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpo.study.stats import Interval
+from gpo.study.store import RunRecord
+
+PLOTS = ("reward_vs_time.png", "accuracy_vs_speedup.png")
+RATE_PLOT = "rates.png"
+
+
+def _figure(width: float = 7, height: float = 4.5) -> Any:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def _curve(r: RunRecord) -> dict[int, tuple[float, float]]:
+    """step -> (seconds of training at the step's end, reward/mean)."""
+    times = dict(r.history["time/step"])
+    points = [(s, v) for s, v in r.history["reward/mean"] if s in times]
+    elapsed = itertools.accumulate(times[s] for s, _ in points)
+    return {s: (t, v) for (s, v), t in zip(points, elapsed)}
+
+
+def reward_vs_time(records: Sequence[RunRecord], path: Path) -> Path:
+    fig = _figure()
+    ax = fig.add_subplot()
+    order = list(dict.fromkeys(r.group for r in records))
+    for i, group in enumerate(order, start=1):
+        curves = [c for c in (_curve(r) for r in records if r.group == group) if c]
+        if not curves:
+            continue
+        steps = sorted(set.intersection(*[set(c) for c in curves]))  # steps every seed reached
+        x = [sum(c[s][0] for c in curves) / len(curves) for s in steps]
+        ys = [[c[s][1] for c in curves] for s in steps]
+        label = f"{i}. {group}" + (f" (mean of {len(curves)} seeds, band min-max)" if len(curves) > 1 else "")
+        (line,) = ax.plot(x, [sum(y) / len(y) for y in ys], marker="o", markersize=3, label=label)
+        if len(curves) > 1:
+            ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("training time (s, sum of step times; mean over seeds)")
+    ax.set_ylabel("reward/mean")
+    ax.set_title("Reward vs wall-clock time")
+    if ax.has_data():
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no step metrics logged", ha="center", va="center", transform=ax.transAxes)
+    fig.savefig(path)
+    return path
+
+
+def _error(interval: Interval) -> list[list[float]] | None:
+    if interval.low is None:
+        return None
+    return [[interval.centre - interval.low], [interval.high - interval.centre]]
+
+
+def accuracy_vs_speedup(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], path: Path) -> Path:
+    fig = _figure()
+    ax = fig.add_subplot()
+    runs = [r for r in rows if r["speedup"] is not None and r["acc_after"] is not None]
+    ax.scatter([r["speedup"] for r in runs], [r["acc_after"] for r in runs], s=12, color="grey", alpha=0.5,
+               label="single runs")
+    for i, g in enumerate(summary, start=1):
+        speed, acc = g["speedup"], g["acc_after"]
+        if speed.centre is None or acc.centre is None:
+            continue
+        ax.errorbar(speed.centre, acc.centre, xerr=_error(speed), yerr=_error(acc), fmt="o", capsize=3)
+        ax.annotate(f"{i}. {g['group']}", (speed.centre, acc.centre), fontsize="small", textcoords="offset points",
+                    xytext=(4, 4))
+    ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)  # the baseline
+    ax.set_ylim(-0.05, 1.05)
+    ax.margins(x=0.25)
+    ax.set_xlabel("speed-up vs baseline (x; error bars: 95% CI over seeds)")
+    ax.set_ylabel("eval/after/accuracy")
+    ax.set_title("Accuracy vs speed-up")
+    if not runs:
+        ax.text(0.5, 0.5, "no finished run with an accuracy after training", ha="center", va="center",
+                transform=ax.transAxes)
+    fig.savefig(path)
+    return path
+
+
+def rates(table: Sequence[dict[str, Any]], accuracy_key: str, path: Path) -> Path:
+    """Accuracy and speed-up against the pruning rate, with 95% CI error bars."""
+    fig = _figure(10, 4)
+    left, right = fig.subplots(1, 2)
+    for ax, key, label in ((left, accuracy_key, accuracy_key), (right, "speedup", "speed-up vs baseline (x)")):
+        points = [(row["rate"], row[key]) for row in table if row[key].centre is not None]
+        for rate, value in points:
+            ax.errorbar(rate, value.centre, yerr=_error(value), fmt="o", capsize=3, color="tab:blue")
+        ax.plot([p for p, _ in points], [v.centre for _, v in points], color="tab:blue", alpha=0.5)
+        ax.set_xlabel("pruning rate P")
+        ax.set_ylabel(label)
+    left.set_title("Accuracy by pruning rate")
+    right.set_title("Speed-up by pruning rate")
+    right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    fig.savefig(path)
+    return path

@@ -1,4 +1,4 @@
-"""gpo's objectives against TRL 1.16's own GRPO code, on fresh random inputs each run (float64, tolerance 1e-6).
+"""gpo's objectives against TRL 1.16's own GRPO and RLOO code, on fresh random inputs each run (float64, tol 1e-6).
 
 Nothing of TRL is re-typed here. A bare `GRPOTrainer` (built with `object.__new__`, with only the attributes the
 two methods read) runs TRL's real code:
@@ -17,6 +17,10 @@ Deliberate differences, each tested below (see also the gpo/ops.py docstring):
    So TRL's per-rank loss is world_size times gpo's share.
 4. grpo `token_mean` uses the step's token count. TRL's `bnpo` uses the micro-batch's, so the two agree only for
    a single micro-batch (or micro-batches with equal token counts).
+5. CISPO's cap: TRL's `epsilon_high` is the cap itself (5.0 recommended); gpo's cap is 1 + epsilon_high (4.0).
+6. RLOO: TRL's RLOOTrainer averages over every row, and a row without loss tokens (masked) adds -A to the value
+   (not to the gradient); gpo's sequence mean adds nothing for it.
+GSPO is TRL's `importance_sampling_level="sequence"` with `loss_type="grpo"`; SAPO and CISPO are its loss types.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ def gen():
 
 
 def bare_trainer(*, group_size=4, scale_rewards="group", loss_type="grpo", beta=0.0, eps_low=0.2, eps_high=0.2,
-                 max_completion_length=8, accumulation=1, world_size=1, mask_truncated=False):
-    t = object.__new__(GRPOTrainer)
+                 max_completion_length=8, accumulation=1, world_size=1, mask_truncated=False, level="token",
+                 sapo_pos=1.0, sapo_neg=1.05, cls=GRPOTrainer):
+    t = object.__new__(cls)
     t.accelerator = types.SimpleNamespace(
         device=torch.device("cpu"), process_index=0, num_processes=world_size, is_main_process=True,
         gather=lambda x: x, reduce=lambda x, reduction="sum": x, gather_for_metrics=lambda x: x,
@@ -58,6 +63,7 @@ def bare_trainer(*, group_size=4, scale_rewards="group", loss_type="grpo", beta=
     t.args = types.SimpleNamespace(
         steps_per_generation=accumulation, gradient_accumulation_steps=accumulation, per_device_train_batch_size=1,
         gradient_checkpointing_kwargs=None, delta=None, use_bias_correction_kl=False,
+        sapo_temperature_pos=sapo_pos, sapo_temperature_neg=sapo_neg,
     )
     t.current_gradient_accumulation_steps = accumulation
     t.environment_factories = t.tools = t.environments = None
@@ -70,7 +76,7 @@ def bare_trainer(*, group_size=4, scale_rewards="group", loss_type="grpo", beta=
     t.reward_weights, t.reward_func_names = torch.ones(1, dtype=torch.float64), ["r"]
     t.loss_type, t.beta, t.epsilon_low, t.epsilon_high = loss_type, beta, eps_low, eps_high
     t.max_completion_length = max_completion_length
-    t.importance_sampling_level, t.top_entropy_quantile, t.off_policy_mask_threshold = "token", 1.0, None
+    t.importance_sampling_level, t.top_entropy_quantile, t.off_policy_mask_threshold = level, 1.0, None
     t._entropy_bonus_enabled = t.aux_loss_enabled = t.log_multimodal = False
     t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     t._logs = {"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
@@ -275,3 +281,164 @@ def test_unequal_micro_batches_bnpo_and_dr_grpo_are_local_in_trl(gen):
         whole_trl = trl_loss(logp, adv, mask, old, ref, loss_type=loss_type, max_completion_length=length)[0]
         assert_close(ours, whole_trl)  # gpo is invariant to the split: it equals TRL on one whole batch
         assert abs(float(ours - trl)) > 1e-4  # TRL's split-dependent normaliser gives another value
+
+
+# --- GSPO, CISPO, SAPO: TRL's `importance_sampling_level="sequence"`, `loss_type="cispo"` and `"sapo"` -----------
+
+# (gpo objective, its settings, TRL loss_type, TRL settings, scale of logp - old). TRL's CISPO cap is epsilon_high
+# itself; gpo's is 1 + epsilon_high, so gpo's default 4.0 is TRL's recommended 5.0.
+FAMILY_PAIRS = [
+    ("gspo", {}, "grpo", {"level": "sequence", "eps_low": 3e-4, "eps_high": 4e-4}, 5e-4),
+    ("gspo", {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04}, "grpo",
+     {"level": "sequence", "eps_high": 0.28, "beta": 0.04}, 0.5),
+    ("cispo", {}, "cispo", {"eps_high": 5.0}, 1.5),
+    ("cispo", {"epsilon_high": 0.28, "beta": 0.05}, "cispo", {"eps_high": 1.28, "beta": 0.05}, 0.5),
+    ("sapo", {}, "sapo", {}, 0.5),
+    ("sapo", {"tau_pos": 0.5, "tau_neg": 2.0, "beta": 0.04}, "sapo", {"sapo_pos": 0.5, "sapo_neg": 2.0, "beta": 0.04},
+     0.5),
+]
+FAMILY_IDS = [f"{p[0]}-{i}" for i, p in enumerate(FAMILY_PAIRS)]
+
+
+def family_rollout(gen, scale, n=8):
+    """random_rollout with logp - old scaled: GSPO's clip range is 3e-4 wide, so its ratios must straddle it."""
+    logp, old, ref, adv, mask = random_rollout(gen, n=n)
+    return old + scale * (logp - old) / 0.5, old, ref, adv, mask
+
+
+@pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg", "scale"), FAMILY_PAIRS, ids=FAMILY_IDS)
+def test_family_one_micro_batch_loss_and_gradient_match_trl(gen, name, cfg, loss_type, trl_cfg, scale):
+    logp, old, ref, adv, mask = family_rollout(gen, scale)
+    objective = build(name, mu=2, **cfg)
+    totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
+    loss, grad, metrics = gpo_loss(objective, logp, adv, mask, old, ref, totals)
+    trl, trl_grad, trl_metrics = trl_loss(logp, adv, mask, old, ref, loss_type=loss_type, **trl_cfg)
+    assert_close(loss, trl)
+    assert_close(grad, trl_grad)
+    assert (grad.abs().sum(dim=1) > 0).sum() >= 3  # several rows carry a gradient (not all clipped away)
+    if objective.policy_loss.beta > 0:
+        assert_close(metrics["kl/mean"], trl_metrics["kl"])
+    if loss_type == "cispo":  # TRL counts capped tokens with A > 0; here every capped token is flagged
+        capped = (torch.exp(logp - old) > objective.weight_max) & mask.bool()
+        positive = capped & (adv > 0).unsqueeze(1)
+        assert_close(positive.sum() / mask.sum(), trl_metrics["cispo_clip_ratio"])
+        assert_close(metrics["clip/high_frac"], capped.sum() / mask.sum())
+
+
+def test_gspo_clips_some_sequences_and_not_others(gen):
+    """The 3e-4-wide case above is not vacuous: some sequence ratios are inside the range, some outside."""
+    logp, old, _, _, mask = family_rollout(gen, FAMILY_PAIRS[0][4], n=64)
+    m = mask.bool()
+    s = torch.exp(torch.where(m, logp - old, 0.0).sum(1) / m.sum(1).clamp(min=1))[m.any(1)]
+    inside = ((s > 1 - 3e-4) & (s < 1 + 4e-4)).sum()
+    assert 0 < inside < len(s)
+
+
+@pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg", "scale"), FAMILY_PAIRS, ids=FAMILY_IDS)
+def test_family_equal_micro_batches_with_accumulation_match_trl(gen, name, cfg, loss_type, trl_cfg, scale):
+    logp, old, ref, adv, mask = family_rollout(gen, scale, n=9)
+    objective = build(name, mu=2, **cfg)
+    totals = StepTotals(sequences=9, tokens=int(mask.sum()))
+    ours, trl, grads, trl_grads = 0.0, 0.0, [], []
+    for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=3):
+        loss, grad, _ = gpo_loss(objective, lp, a, m, o, r, totals)
+        theirs, their_grad, _ = trl_loss(lp, a, m, o, r, num_items=totals.tokens, loss_type=loss_type,
+                                         accumulation=3, **trl_cfg)
+        ours, trl = ours + loss, trl + theirs
+        grads.append(grad)
+        trl_grads.append(their_grad)
+    assert_close(ours, trl)
+    assert_close(torch.cat(grads), torch.cat(trl_grads))
+
+
+@pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg", "scale"), FAMILY_PAIRS, ids=FAMILY_IDS)
+def test_family_across_two_ranks_match_trl(gen, name, cfg, loss_type, trl_cfg, scale):
+    """Each rank's TRL loss (and gradient) is 2x gpo's share: TRL's normaliser is per rank (its sequences, or
+    tokens / world_size), gpo's is the step's, and the engine multiplies by world_size before DDP's mean."""
+    logp, old, ref, adv, mask = family_rollout(gen, scale, n=8)
+    objective = build(name, mu=2, **cfg)
+    totals = StepTotals(sequences=8, tokens=int(mask.sum()))  # all-reduced over both ranks
+    shares = []
+    for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=2):
+        loss, grad, _ = gpo_loss(objective, lp, a, m, o, r, totals)
+        theirs, their_grad, _ = trl_loss(lp, a, m, o, r, num_items=totals.tokens, loss_type=loss_type,
+                                         world_size=2, **trl_cfg)
+        assert_close(2 * loss, theirs)
+        assert_close(2 * grad, their_grad)
+        shares.append(loss)
+    assert_close(sum(shares), gpo_loss(objective, logp, adv, mask, old, ref, totals)[0])
+
+
+# --- RLOO: TRL's RLOOTrainer --------------------------------------------------------------------------------------
+
+RLOOTrainer = pytest.importorskip("trl.trainer.rloo_trainer").RLOOTrainer
+
+
+def bare_rloo(group_size=4, eps_low=0.2, eps_high=0.2):
+    t = bare_trainer(group_size=group_size, eps_low=eps_low, eps_high=eps_high, cls=RLOOTrainer)
+    t.num_generations_eval, t.normalize_advantages, t.reward_clip_range = group_size, False, None
+    return t
+
+
+def test_rloo_advantages_match_trl(gen):
+    rewards = random_rewards(gen)
+    n = rewards.numel()
+    t = bare_rloo(group_size=rewards.shape[1])
+    t._generate = lambda prompts: ([[7, 8]] * n, [[TOKEN, EOS]] * n, ["text"] * n)
+    t._calculate_rewards = lambda inputs, prompts, completions, ids: rewards.reshape(n, 1)
+    t._get_per_token_logps_and_entropies = lambda model, ids, *a, **k: (torch.zeros(ids.shape[0], 2), None, None)
+    out = t._generate_and_score_completions([{"prompt": "question"}] * n)
+    ours = build("rloo").advantages(rewards)  # [B, G]
+    assert_close(ours.flatten(), out["advantages"])
+    assert torch.equal(ours[:2], torch.zeros(2, 4, dtype=torch.float64))
+
+
+def trl_rloo_loss(logp, adv, mask, old, **settings):
+    """TRL's RLOOTrainer._compute_loss on one micro-batch (it returns the micro-batch's mean over sequences; the HF
+    Trainer then divides by the accumulation steps, done here by the caller)."""
+    t = bare_rloo(**settings)
+    logp = logp.detach().clone().requires_grad_()
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logp, torch.zeros_like(logp), None)
+    inputs = {
+        "prompt_ids": torch.ones(len(adv), 1, dtype=torch.long), "prompt_mask": torch.ones(len(adv), 1),
+        "completion_ids": torch.zeros_like(mask), "completion_mask": mask, "advantages": adv,
+        "old_logps": (old * mask).sum(1),
+    }
+    loss = t._compute_loss(None, inputs)
+    loss.backward()
+    return loss.detach(), logp.grad
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_rloo_loss_and_gradient_match_trl(gen, parts):
+    """One micro-batch, and two of equal rows (micro-batches or ranks: TRL's mean over each, averaged by the HF
+    Trainer's accumulation or by DDP, equals gpo's sum of shares over the step's sequences).
+
+    TRL's mean counts a row without loss tokens (-A, with no gradient); gpo adds nothing for it. Such a row arises
+    only from masking (mask_truncated); its advantage is set to 0 here so the values compare.
+    """
+    logp, old, _, adv, mask = random_rollout(gen)
+    logp = old + 0.02 * (logp - old)  # sequence ratios multiply 1-7 token ratios: keep most inside the clip
+    logp[2:4, 0] += torch.tensor([0.5, -0.5], dtype=logp.dtype)  # and push two rows out of it, one on each side
+    adv[mask.sum(1) == 0] = 0.0
+    objective = build("rloo", mu=2)
+    totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
+    ours, trl, grads, trl_grads = 0.0, 0.0, [], []
+    for lp, o, a, m in split_rows(logp, old, adv, mask, parts=parts):
+        loss, grad, _ = gpo_loss(objective, lp, a, m, o, None, totals)
+        theirs, their_grad = trl_rloo_loss(lp, a, m, o)
+        ours, trl = ours + loss, trl + theirs / parts
+        grads.append(grad)
+        trl_grads.append(their_grad / parts)
+    assert_close(ours, trl)
+    assert_close(torch.cat(grads), torch.cat(trl_grads))
+    ratio = torch.exp((logp - old).mul(mask).sum(1))
+    assert ((ratio - 1).abs() < 0.2).any() and ((ratio - 1).abs() > 0.2).any()  # both sides of the clip
+
+
+def test_rloo_on_policy_gradient_is_the_papers_token_sum(gen):
+    """mu = 1: gpo's RLOO gradient is -A_i / n on every token of row i (REINFORCE on the whole sequence)."""
+    logp, _, _, adv, mask = random_rollout(gen)
+    totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
+    _, grad, _ = gpo_loss(build("rloo"), logp, adv, mask, None, None, totals)
+    assert_close(grad, -adv.unsqueeze(1) * mask / len(adv))

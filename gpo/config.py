@@ -225,6 +225,8 @@ def validate(cfg: DictConfig) -> DictConfig:
         body = OmegaConf.create({k: v for k, v in node.items() if k != "name"})
         checked = _check(body, entry.config, kind)
         out[kind] = {"name": entry.name, **OmegaConf.to_container(checked)}
+    for name in out.eval.tasks:  # scored at the end of the run: a typo must fail now, not after training
+        registry.get("task", str(name))
     return out
 
 

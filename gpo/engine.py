@@ -228,17 +228,19 @@ class Engine:
         return registry.get(kind, self.cfg[kind].name).build(to_object(kind, self.cfg[kind]), **context)
 
     # ---------------------------------------------------------------------------------------------------------
-    def evaluate(self, tag: str) -> dict[str, float]:
-        """Greedy accuracy on the held-out split (validation by default: checkpoints are never chosen on test)."""
-        from gpo.evaluate import evaluate
+    def evaluate(self, tag: str, task: Any = None, split: str | None = None) -> dict[str, float]:
+        """Accuracy (greedy, or pass@k/avg/maj with eval.samples > 1) on the held-out split (validation by default:
+        checkpoints are never chosen on test), or on `split` of another `task`."""
+        from gpo.evaluate import evaluate, sampling_for
 
         E = self.eval_cfg
-        examples = list(self.task.load(E.split))
+        task = task or self.task
+        examples = list(task.load(split or E.split))
         examples = examples[: E.limit] if E.limit else examples
-        sampling = Sampling(max_new_tokens=E.max_new_tokens or self.train_cfg.max_completion_length, greedy=True)
+        sampling = sampling_for(E, self.train_cfg.max_completion_length)
         with gathered(self.accelerator, self.policy):
-            _, summary = evaluate(self.policy, self.tokenizer, self.backend, self.task, examples, sampling,
-                                  E.batch_size, self.train_cfg.max_prompt_length)
+            _, summary = evaluate(self.policy, self.tokenizer, self.backend, task, examples, sampling,
+                                  E.batch_size, self.train_cfg.max_prompt_length, E.samples, E.pass_k)
         return {f"eval/{tag}/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def save(self) -> Path:
@@ -329,6 +331,11 @@ class Engine:
         summary["train/seconds"] = time.perf_counter() - started
         if E.before_and_after:
             summary.update(self.evaluate("after"))
+        from gpo.evaluate import final_tasks
+
+        for name, task in final_tasks(self.cfg, self.task):  # eval.tasks: test splits, e.g. aime24, amc23
+            summary.update(self.evaluate(f"after/{name}", task=task, split="test"))
+        if E.before_and_after or E.tasks:
             self.tracker.log_metrics({k: v for k, v in summary.items() if k.startswith("eval/")}, step=self.step_index)
         self.tracker.log_artifact(str(self.run_dir / "config.yaml"))
         self.tracker.log_summary({**summary, **({"final_model": str(final)} if final else {})})

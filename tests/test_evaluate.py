@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from gpo.evaluate import evaluate, expand_shorthands
+from gpo.errors import UserError
+from gpo.evaluate import evaluate, expand_shorthands, pass_at_k, pass_ks
 from gpo.tasks.arith import Arith, ArithConfig
 from gpo.types import Sampling
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Token id -> text for the fake tokenizer; 0 is EOS.
-VOCAB = {0: "", 1: "<prompt>", 5: "<answer>8</answer>", 6: "7", 7: "so 8"}
+VOCAB = {0: "", 1: "<prompt>", 5: "<answer>8</answer>", 6: "7", 7: "so 8", 8: "hmm", 9: "<answer>8.0</answer>"}
 
 
 class FakeTokenizer:
@@ -116,3 +117,87 @@ def test_gpo_eval_logs_to_mlflow(tmp_path: Path, tiny_model_path: str, monkeypat
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.data.metrics["n"] == 3
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"examples.jsonl", "summary.json"}
+
+
+# --- sampled evaluation ---------------------------------------------------------------------------------------
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    # n=4 samples, c correct: 1 - C(4-c, k) / C(4, k), worked by hand
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3,2)=3, C(4,2)=6
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # C(2,2)=1
+    assert pass_at_k(4, 3, 2) == 1.0 and pass_at_k(4, 0, 4) == 0.0 and pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def test_pass_at_k_is_stable_where_the_binomials_are_huge():
+    from fractions import Fraction
+    from math import comb
+
+    for n, c, k in [(200, 100, 50), (1000, 3, 500), (1000, 999, 1), (64, 0, 64), (300, 1, 299)]:
+        exact = 1 - Fraction(comb(n - c, k), comb(n, k))  # Python's integers are exact: an independent reference
+        assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-12, abs=1e-15)
+
+
+def test_pass_k_defaults_to_powers_of_two_and_the_sample_count():
+    assert pass_ks(8) == [1, 2, 4, 8] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(1) == [1]
+    assert pass_ks(8, [4, 1, 4]) == [1, 4]
+    with pytest.raises(UserError, match="eval.pass_k values must be in 1..eval.samples"):
+        pass_ks(4, [3, 9])
+
+
+def test_sampled_evaluation_reports_pass_avg_and_majority() -> None:
+    task = Arith(ArithConfig())
+    examples = [{"question": "3 + 5?", "expression": "3 + 5", "gold": "8"}] * 2
+    # question 0: answers 7, 8, none, none -> 1 correct; the vote ties 1-1 and goes to the first answer (7): wrong
+    # question 1: answers 7, 8, 8.0, none -> 2 correct; 8 and 8.0 are one answer to the grader: 2 votes to 1, right
+    backend = ScriptedBackend([[6, 0], [5, 0], [8, 0], [8, 0], [6, 0], [5, 0], [9, 0], [8, 0]])
+    sampling = Sampling(max_new_tokens=8, temperature=0.7)
+    records, summary = evaluate(None, FakeTokenizer(), backend, task, examples, sampling, batch_size=8, samples=4)
+    assert [(size, n) for size, n, _ in backend.calls] == [(2, 4)]  # 8 completions per call: 2 questions x 4
+    assert [(r["index"], r["sample"]) for r in records] == [(q, s) for q in range(2) for s in range(4)]
+    assert summary["n"] == 2 and summary["samples"] == 4
+    assert summary["accuracy"] == summary["avg_at_4"] == pytest.approx(3 / 8)
+    assert summary["pass_at_1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert summary["pass_at_2"] == pytest.approx(((1 - 3 / 6) + (1 - 1 / 6)) / 2)
+    assert summary["pass_at_4"] == 1.0
+    assert summary["maj_at_4"] == 0.5
+
+
+def test_sampling_settings_are_checked():
+    from gpo.config import EvalConfig
+    from gpo.evaluate import sampling_for
+
+    assert sampling_for(EvalConfig(), 16).greedy  # greedy stays the default
+    sampled = sampling_for(EvalConfig(samples=4, temperature=0.6, top_p=0.95), 16)
+    assert (sampled.greedy, sampled.temperature, sampled.top_p, sampled.max_new_tokens) == (False, 0.6, 0.95, 16)
+    with pytest.raises(UserError, match="eval.samples must be >= 1"):
+        sampling_for(EvalConfig(samples=0), 16)
+    with pytest.raises(UserError, match="eval.temperature > 0"):
+        sampling_for(EvalConfig(samples=2, temperature=0.0), 16)
+
+
+def test_a_run_scores_sampled_validation_and_further_tasks_at_the_end(tmp_path, tiny_model_path, shared_data,
+                                                                       monkeypatch):
+    from gpo.config import compose
+    from gpo.engine import train
+
+    monkeypatch.setenv("GPO_DATA_DIR", str(shared_data))  # amc23's Hub source is read from the local copy
+    cfg = compose([f"model={tiny_model_path}", "tracker=none", "algo=grpo", "pruner=none", "allocator=static",
+                   f"output_dir={tmp_path}", "train.steps=1", "train.questions_per_step=1", "train.group_size=2",
+                   "train.max_completion_length=4", "eval.limit=2", "eval.batch_size=4", "eval.samples=2",
+                   "eval.tasks=[arith,amc23]", "checkpoint.save_final_model=false"])
+    summary = train(cfg)
+    for prefix in ("eval/before/", "eval/after/", "eval/after/arith/", "eval/after/amc23/"):
+        assert summary[prefix + "n"] == 2, prefix  # eval.limit applies to each
+        assert 0.0 <= summary[prefix + "maj_at_2"] <= summary[prefix + "pass_at_2"] <= 1.0
+        assert summary[prefix + "pass_at_1"] == pytest.approx(summary[prefix + "accuracy"])  # avg@2 = pass@1
+
+
+def test_unknown_final_tasks_fail_before_any_training():
+    from gpo.config import compose
+
+    with pytest.raises(UserError, match="unknown task `aime25`.*Did you mean `aime24`"):
+        compose(["eval.tasks=[aime25]"])

@@ -1,0 +1,29 @@
+"""`amc23`: the 40 problems of AMC 12 2023 A and B, evaluation only (see gpo/tasks/competition.py).
+
+Local copy: `task.data_dir=../shared/data` reads amc23/test.jsonl (QwenLM/Qwen2.5-Math's file, in the layout of
+the Hub dataset math-ai/amc23, read by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpo.registry import register
+from gpo.tasks.competition import SYSTEM_PROMPT, CompetitionSet
+from gpo.tasks.data import DataSource
+
+
+@dataclass
+class AMC23Config:
+    test: DataSource = field(default_factory=lambda: DataSource("math-ai/amc23", None, "test"))
+    data_dir: str | None = None  # a local copy laid out like ../shared/data (amc23/test.jsonl); wins when set
+    bad_rows: str = "error"  # error | skip
+    system_prompt: str = SYSTEM_PROMPT
+
+
+@register("task", "amc23", config=AMC23Config)
+class AMC23(CompetitionSet):
+    """AMC 12 2023 (40 problems, whole-number answers): evaluation only, e.g. eval.tasks=[amc23]."""
+
+    NAME = "amc23"
+    LOCAL_FILE = "amc23/test.jsonl"

@@ -220,7 +220,7 @@ def soft_gate_surrogate(
     """
     ratio = torch.exp(logp - old_logp)  # [n, L]
     adv = advantages.to(logp.dtype).unsqueeze(1)  # [n, 1]
-    tau = torch.where(adv > 0, tau_pos, tau_neg).to(logp.dtype)  # [n, 1]
+    tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # [n, 1], in logp's precision
     gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)  # [n, L]
     none = torch.zeros_like(ratio, dtype=torch.bool)
     return Surrogate(-gate * adv, ratio, none, none, none)

@@ -1,0 +1,77 @@
+"""`gpo study` execution: runs at once (study.parallel), continuing a study (study.resume), on the tiny model."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpo import cli
+from gpo.errors import UserError
+
+sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+
+
+def _args(tiny_model_path: str, tmp_path: Path, *more: str) -> list[str]:
+    return [f"model={tiny_model_path}", f"output_dir={tmp_path}", "plugins=[gpo_flaky]", "task=flaky",
+            "tracker=mlflow", "algo=grpo", "pruner=none", "allocator=static", "train.steps=1",
+            "train.questions_per_step=1", "train.group_size=2", "train.max_completion_length=4", "eval.limit=2",
+            "eval.batch_size=2", "eval.max_new_tokens=2", "checkpoint.save_final_model=false", *more]
+
+
+@pytest.mark.slow
+def test_parallel_runs_and_resume_reruns_only_what_did_not_finish(tiny_model_path, tmp_path, capsys):
+    marker = tmp_path / "fail-now"
+    marker.touch()
+    # run 1 trains; run 2 fails while the marker exists (at start-up, long before run 1 ends)
+    args = _args(tiny_model_path, tmp_path, f"task.marker={tmp_path / 'never'},{marker}", "study.parallel=2")
+    assert cli.main(["study", *args]) == 0
+    out = capsys.readouterr().out
+    # both ran at once: the quick failure of run 2 is reported before run 1 finishes
+    assert out.index("run 2/2") < out.index("run 1/2"), out
+    (study_dir,) = tmp_path.glob("study-*")
+    first = list(csv.DictReader(open(study_dir / "study.csv")))
+    assert [r["status"] for r in first] == ["FINISHED", "FAILED"]
+    assert "RuntimeError: flaky" in first[1]["error"]
+
+    marker.unlink()
+    assert cli.main(["study", f"study.resume={study_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming: 1 finished runs kept, 1 to run" in out
+    again = list(csv.DictReader(open(study_dir / "study.csv")))
+    assert [r["status"] for r in again] == ["FINISHED", "FINISHED"]
+    assert again[0]["run_id"] == first[0]["run_id"]  # kept, not re-run
+    assert again[1]["run_id"] != first[1]["run_id"]
+    assert len(list(study_dir.glob("02-*.attempt-1"))) == 1  # the failed attempt's directory is kept aside
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{study_dir / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("gpo").experiment_id])
+    assert len(runs) == 3  # the parent and two children: the failed attempt's MLflow run was deleted
+    (parent,) = [r for r in runs if r.data.tags.get("gpo_study_role") == "parent"]
+    assert parent.info.status == "FINISHED"
+
+    # nothing left to do: a second resume runs nothing and rebuilds the same table
+    assert cli.main(["study", f"study.resume={study_dir}"]) == 0
+    assert "resuming: 2 finished runs kept, 0 to run" in capsys.readouterr().out
+    assert list(csv.DictReader(open(study_dir / "study.csv"))) == again
+    # and `gpo report PARENT` rebuilds it from MLflow alone
+    assert cli.main(["report", parent.info.run_id, "--tracking-uri", str(study_dir), "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "study.csv").read_text() == (study_dir / "study.csv").read_text()
+
+
+def test_resume_needs_a_study_directory_and_no_other_arguments(tmp_path, capsys):
+    with pytest.raises(UserError, match="not a study directory"):
+        from gpo.study import study_from_args
+
+        study_from_args([f"study.resume={tmp_path}"])
+    (tmp_path / "study-args.json").write_text('{"args": [], "config_files": [], "baseline": null}')
+    assert cli.main(["study", f"study.resume={tmp_path}", "algo=dapo"]) == 2
+    assert "with the arguments it was started with" in capsys.readouterr().err
+    assert cli.main(["study", "task=toy", "plugins=[gpo_toy]", "study.parallel=0"]) == 2
+    assert "study.parallel must be >= 1" in capsys.readouterr().err
+    assert cli.main(["study", "task=toy", "plugins=[gpo_toy]", "study.launcher=slurm"]) == 2
+    assert "study.launcher must be `local` or `ray`" in capsys.readouterr().err

@@ -4,11 +4,20 @@ The engine's layout (DESIGN.md): every rank generates its share of a step's ques
 every rank the same full batch, pruners decide on it identically everywhere, `keep_divisible` rounds a varying kept
 count (threshold pruning) up to a multiple of the world size, and `shard` splits the kept rows evenly, so every
 rank trains on the same number of rows and `group`/`global` pruning ignores the world size.
+
+When a rank dies or hangs, the others fail in their next collective: at once when the dead peer's sockets close
+(gloo), or after engine.collective_timeout_s when it stops answering. `peer_failures_explained` turns that failure
+into a `PeerLost` message (what happened, how to continue) instead of a backend traceback; the launcher then stops
+every rank (gpo/launch.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -16,6 +25,45 @@ from torch import Tensor
 
 from gpo.errors import UserError
 from gpo.types import RolloutBatch
+
+
+class PeerLost(UserError):
+    """Another rank died or stopped answering during a collective. Not the user's mistake, but reported the same
+    way, as one message without a traceback: the cause is outside this process (the other rank's log says it)."""
+
+
+@contextmanager
+def peer_failures_explained(how_to_continue: Callable[[], str]) -> Iterator[None]:
+    """Re-raise a failed collective (gloo or NCCL) as `PeerLost`, naming this rank and `how_to_continue()`."""
+    try:
+        yield
+    except PeerLost:
+        raise
+    except RuntimeError as exc:
+        if not _from_collective(exc):
+            raise
+        rank, world_size = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+        cause = _first_sentence(str(exc)) or type(exc).__name__
+        raise PeerLost(
+            f"rank {rank} of {world_size}: a collective operation with the other ranks failed ({cause}). Another "
+            f"rank most likely died (killed, out of memory) or hung past engine.collective_timeout_s; its own log "
+            f"says why, and the launcher's report names the first rank that failed. {how_to_continue()}".strip()
+        ) from exc
+
+
+def _from_collective(exc: RuntimeError) -> bool:
+    """True for a communication failure: torch's DistError family (NCCL, timeouts of the store) and the plain
+    RuntimeErrors gloo raises, which name their gloo source file (also from DDP's all-reduce inside backward)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in ("gloo", "nccl", "connection closed by peer", "connection reset by peer"))
+
+
+def _first_sentence(message: str) -> str:
+    """A backend message without its source location prefix (`[.../pair.cc:537] `) and its boilerplate advice."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", message.strip().splitlines()[0] if message.strip() else "")
+    return text.split(". ")[0].rstrip(".")
 
 
 def world() -> tuple[int, int]:

@@ -33,6 +33,7 @@ from gpo.ops import advantage_metrics
 from gpo.parallel import (accumulating, build_accelerator, full_state_dict, gathered, prepare_policy,
                           prepare_reference)
 from gpo.pruners.metrics import prune_metrics
+from gpo.rewards import score as score_completions
 from gpo.rollout import completion_tokens, decode_completions, encode_prompts, generate
 from gpo.sampler import QuestionStream
 from gpo.tracking import NullTracker
@@ -145,7 +146,7 @@ class Engine:
             )
         with timer("reward"):
             texts = decode_completions(self.tokenizer, completion_tokens(local))
-            scored = self.task.reward(texts, [e for e in mine for _ in range(G)])
+            scored = score_completions(self.task, self.cfg.task.name, texts, [e for e in mine for _ in range(G)])
             local.rewards = torch.tensor(scored.total, dtype=torch.float32)  # [N_rank]
             local.reward_components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scored.components.items()}
             for k, v in scored.metrics.items():  # counts such as verify_timeouts, summed over ranks and rounds
@@ -253,12 +254,39 @@ class Engine:
         return checkpoint.save(self.accelerator, self.run_dir / "checkpoints", self.step_index, state,
                                self.ckpt_cfg.keep_last)
 
-    def restore(self, path: Path) -> None:
-        state = checkpoint.load(self.accelerator, path)
+    def restore(self, path: Path) -> Path:
+        """Load checkpoint `path` and return it. When loading fails and resume picked `path` from a folder (auto, or
+        a run directory), the older complete checkpoints there are tried in turn, saying so; an explicitly named
+        checkpoint gets no stand-in. If any rank's load fails (each reads its own RNG state), all move on together."""
+        named = Path(str(self.cfg.resume)).expanduser()
+        older = [] if named.resolve() == path.resolve() else [
+            p for p in checkpoint.candidates(path.parent, say=lambda _: None)
+            if checkpoint.step_of(p) < checkpoint.step_of(path)
+        ]
+        tries = [path, *older]
+        for candidate in tries:
+            error: Exception | None = None
+            try:
+                state = checkpoint.load(self.accelerator, candidate)
+            except UserError:
+                raise
+            except Exception as exc:  # a damaged file: whatever torch.load or DeepSpeed raise on it
+                error = exc
+            if int(all_reduce_sum(int(error is not None))) == 0:
+                break
+            reason = f"{type(error).__name__}: {error}" if error else "it failed to load on another rank"
+            if error is not None:
+                checkpoint.mark_damaged(candidate, f"rank {self.rank}: {reason}")
+            _say(f"could not load checkpoint {candidate} ({reason}); marked damaged, left in place"
+                 + ("; trying the previous one" if candidate != tries[-1] else ""))
+        else:
+            raise UserError(f"no checkpoint could be loaded (tried {', '.join(str(t) for t in tries)}). Resume "
+                            f"from another one with resume=PATH, or start over without resume.")
         self.step_index = int(state["step"])
         self.questions.load_state_dict(state["questions"])
         self.allocator.load_state_dict(state["allocator"])
         self.best_score = state.get("best_score")
+        return candidate
 
     def save_model(self, name: str) -> Path:
         target = self.run_dir / name
@@ -273,15 +301,39 @@ class Engine:
         return target
 
     def resume_path(self) -> Path | None:
+        """The checkpoint `resume` asks for: auto = this run's newest complete checkpoint (None when there is none
+        yet), a run or checkpoints folder = its newest complete one, else that checkpoint, which must be complete.
+        Incomplete checkpoints passed over are named (rank 0) and left in place."""
         resume = self.cfg.resume
         if not resume:
             return None
+        say = _say if self.rank == 0 else (lambda message: None)
         if resume == "auto":
-            return checkpoint.latest(self.run_dir / "checkpoints")
+            found = checkpoint.candidates(self.run_dir / "checkpoints", say)
+            if not found and checkpoint.list_checkpoints(self.run_dir / "checkpoints"):
+                say("no complete checkpoint to resume from: starting at step 0")
+            return found[0] if found else None
         path = Path(resume).expanduser()
         if path.is_dir() and not (path / checkpoint.STATE_FILE).is_file():
-            path = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path) or path
+            folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+            found = checkpoint.candidates(folder, say)
+            if not found:
+                raise UserError(f"resume={resume}: no complete checkpoint in {folder}.")
+            return found[0]
+        damage = checkpoint.problems(path) if (path / checkpoint.STATE_FILE).is_file() else []
+        if damage:
+            newest = checkpoint.latest(path.parent)
+            raise UserError(f"resume={resume}: the checkpoint is incomplete ({'; '.join(damage[:3])}). "
+                            + (f"The newest complete one beside it is {newest} (resume={newest}, or resume=auto)."
+                               if newest else "No complete checkpoint is beside it."))
         return path
+
+    def how_to_continue(self) -> str:
+        """What a user does after the run stopped: the same command with resume=auto, from which checkpoint."""
+        newest = checkpoint.latest(self.run_dir / "checkpoints")
+        start = f"from {newest}" if newest else "from the start (no complete checkpoint yet)"
+        return (f"The run stopped in step {self.step_index + 1}; rerun the same command with resume=auto "
+                f"run_name={self.run_name} to continue {start}.")
 
     def run(self) -> dict[str, float]:
         """Train for train.steps with evaluation, checkpoints and tracking; return the final summary."""
@@ -290,7 +342,7 @@ class Engine:
         T, E, C = self.train_cfg, self.eval_cfg, self.ckpt_cfg
         path = self.resume_path()
         if path is not None:
-            self.restore(path)
+            path = self.restore(path)
             _say(f"resumed from {path} at step {self.step_index}")
         if self.accelerator.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)

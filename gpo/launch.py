@@ -54,10 +54,20 @@ def command(engine: EngineConfig, gpo_args: list[str]) -> tuple[list[str], dict[
 
 
 def relaunch(engine: EngineConfig, gpo_args: list[str]) -> int:
-    """Run the ranks and wait; the exit status is the launcher's (non-zero if any rank failed)."""
+    """Run the ranks and wait; the exit status is the launcher's (non-zero if any rank failed).
+
+    When one rank fails (an error, a kill, out of memory), the launcher stops the others (SIGTERM, then SIGKILL
+    after 30 s) and reports the first failure; the ranks that lost their peer say so themselves, with how to
+    continue (gpo.distributed.PeerLost). This adds one line that points at both."""
     cmd, env = command(engine, gpo_args)
     print(f"gpo: launching {engine.num_processes} processes: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    return subprocess.call(cmd, env=env)
+    status = subprocess.call(cmd, env=env)
+    if status != 0:
+        print(f"gpo: the {engine.num_processes}-process run failed (launcher exit status {status}). The launcher's "
+              f"report above names the first rank that failed (\"Root Cause\"); every rank's own message is above "
+              f"it. To continue from the newest complete checkpoint, rerun the same command with resume=auto and "
+              f"the same run_name.", file=sys.stderr, flush=True)
+    return status
 
 
 def _free_port() -> int:

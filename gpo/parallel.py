@@ -25,6 +25,7 @@ DeepSpeed ZeRO-2/3 lives here:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -67,6 +68,7 @@ def deepspeed_config(engine: EngineConfig, train: TrainConfig, optim: OptimConfi
 
 def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConfig) -> Any:
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     if engine.deepspeed_stage not in STAGES:
         raise UserError(f"engine.deepspeed_stage must be one of {', '.join(map(str, STAGES))}, "
@@ -77,8 +79,13 @@ def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConf
     cpu = not torch.cuda.is_available()
     if engine.offload and engine.deepspeed_stage == 0:
         raise UserError("engine.offload needs DeepSpeed: set engine.deepspeed_stage=2 or 3 (engine=zero2 / zero3).")
+    if engine.collective_timeout_s <= 0:
+        raise UserError(f"engine.collective_timeout_s must be > 0 seconds, got {engine.collective_timeout_s}.")
+    # A peer that hangs fails the others' next collective after this long instead of torch's 30 minutes.
+    timeout = datetime.timedelta(seconds=engine.collective_timeout_s)
+    timeouts = [InitProcessGroupKwargs(timeout=timeout)]
     if engine.deepspeed_stage == 0:
-        return Accelerator(mixed_precision=engine.mixed_precision, cpu=cpu)
+        return Accelerator(mixed_precision=engine.mixed_precision, cpu=cpu, kwargs_handlers=timeouts)
     if cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed looks for CUDA otherwise
     try:
@@ -91,13 +98,14 @@ def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConf
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(engine, train, optim, world_size),
                              zero3_init_flag=engine.deepspeed_stage == 3)
-    accelerator = Accelerator(mixed_precision=engine.mixed_precision, deepspeed_plugin=plugin)
+    accelerator = Accelerator(mixed_precision=engine.mixed_precision, deepspeed_plugin=plugin,
+                              kwargs_handlers=timeouts)
     if cpu:
-        _count_ranks(accelerator)
+        _count_ranks(accelerator, timeout)
     return accelerator
 
 
-def _count_ranks(accelerator: Any) -> None:
+def _count_ranks(accelerator: Any, timeout: datetime.timedelta) -> None:
     """Accelerate 1.15 finds no distributed backend for DeepSpeed without a GPU and records one process of index
     0 on every rank (so every rank was 'main' and wrote checkpoints and models), while DeepSpeed itself has
     started the gloo group. Copy the group's real layout into Accelerate's process state."""
@@ -107,7 +115,7 @@ def _count_ranks(accelerator: Any) -> None:
     if not dist.is_initialized():
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
     for state in (PartialState(), accelerator.state):  # AcceleratorState holds a copy of PartialState's fields
         state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
         state.local_process_index = int(os.environ.get("LOCAL_RANK", dist.get_rank()))

@@ -11,7 +11,9 @@ Verification runs in a small pool of worker processes. math-verify bounds its wo
 only works in a main thread, and logs the whole input on a timeout: a pathological completion (deeply nested
 LaTeX, a huge exponent, 100 KB of braces) could otherwise stall or flood a training run. Each worker bounds
 each item's time itself; a worker that overruns anyway (stuck in C code, where signals wait) is killed and
-replaced by the parent. Either way the item scores 0 and counts in `verify_timeouts`.
+replaced by the parent. Either way the item scores 0 and counts in `verify_timeouts`. A worker that dies (killed,
+out of memory on a huge expression) is replaced too; its item scores 0 and counts in `verify_workers_lost`.
+`verify_failures` counts every item that scored 0 because its verification did not finish.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ GRACE_S = 1.0  # the parent kills a worker this long after the worker's own limi
 STARTUP_S = 300.0  # a worker that cannot import math-verify in this time is a broken installation
 
 # Statuses a verification comes back with; every one but "ok" scores 0.
-OK, TIMEOUT, ERROR, GOLD_UNPARSED = "ok", "timeout", "error", "gold_unparsed"
+OK, TIMEOUT, ERROR, WORKER_LOST, GOLD_UNPARSED = "ok", "timeout", "error", "worker_lost", "gold_unparsed"
 Verdict = tuple[str, bool]  # (status, correct)
 
 
@@ -110,8 +112,10 @@ class Math:
         verdicts = self._judge(completions, examples)
         acc = [CORRECT if correct else 0.0 for _, correct in verdicts]
         statuses = [status for status, _ in verdicts]
-        metrics = {"verify_timeouts": float(statuses.count(TIMEOUT)), "verify_errors": float(statuses.count(ERROR)),
-                   "gold_unparsed": float(statuses.count(GOLD_UNPARSED))}
+        failures = {"verify_timeouts": TIMEOUT, "verify_errors": ERROR, "verify_workers_lost": WORKER_LOST}
+        metrics = {name: float(statuses.count(status)) for name, status in failures.items()}
+        metrics["verify_failures"] = sum(metrics.values())
+        metrics["gold_unparsed"] = float(statuses.count(GOLD_UNPARSED))
         return weighted_rewards(fmt, acc, self.cfg.format_weight, self.cfg.accuracy_weight, metrics)
 
     def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]:
@@ -192,9 +196,9 @@ class VerifierPool:
         w = self._workers[slot]
         try:
             message = w.conn.recv()
-        except (EOFError, OSError):  # the worker died (e.g. out of memory on a huge expression)
+        except (EOFError, OSError):  # the worker died (killed, or out of memory on a huge expression)
             if w.job is not None:
-                results[w.job] = (ERROR, False)
+                results[w.job] = (WORKER_LOST, False)
             self._replace(slot)
             return
         if message == "ready":

@@ -58,6 +58,10 @@ def study_from_args(args: list[str], config_files: list[str] = (), baseline: str
         raise UserError(f"study.parallel must be >= 1, got {options.parallel}.")
     if options.launcher not in ("local", "ray"):
         raise UserError(f"study.launcher must be `local` or `ray`, got `{options.launcher}`.")
+    if options.launcher == "ray":
+        from gpo.study.ray_launcher import require
+
+        require()
     first = the_plan.runs[0].cfg
     if study_dir is None:
         study_dir = _new_dir(Path(first.output_dir), "study-" + time.strftime("%Y%m%d-%H%M%S"))
@@ -247,15 +251,17 @@ class DevicePool:
         return Lease()
 
 
-def run_child(cfg: DictConfig, run_dir: Path, devices: list[int] | None = None) -> tuple[Outcome, Path]:
-    """Train one run in a fresh interpreter; its stdout and stderr go to `<run_dir>/study.log`."""
+def run_child(cfg: DictConfig, run_dir: Path, devices: list[int] | None = None,
+              sys_path: list[str] | None = None) -> tuple[Outcome, Path]:
+    """Train one run in a fresh interpreter; its stdout and stderr go to `<run_dir>/study.log`. `sys_path`: the
+    study's import path (where its plug-ins are found), when this runs elsewhere (a Ray worker)."""
     import os
 
     from gpo.config import to_yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path, spec_path, result_path = run_dir / "study.log", run_dir / "study-spec.json", run_dir / "study-result.json"
-    spec = {"config": to_yaml(cfg), "result": str(result_path), "sys_path": [p for p in sys.path if p]}
+    spec = {"config": to_yaml(cfg), "result": str(result_path), "sys_path": [p for p in sys_path or sys.path if p]}
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ)
     if devices is not None:

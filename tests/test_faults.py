@@ -47,7 +47,7 @@ def test_killed_rank_stops_the_other_and_resume_reproduces_the_uninterrupted_run
     finish(straight)
     status, out, _ = ended_within(killed, 300)
 
-    assert status != 0 and "gpo_faults: rank 1 kills itself in step 3" in out
+    assert status != 0 and "gpo_faults: rank 1 kills itself in step 3" in out, out[-6000:]
     # The survivor names the failure and how to continue, instead of a traceback or a hang.
     assert f"rank 0 of 2: {LOST_PEER}" in out, out[-4000:]
     assert "rerun the same command with resume=auto run_name=killed" in out
@@ -71,7 +71,7 @@ def test_hung_rank_fails_the_other_after_the_collective_timeout(tiny_model_path,
     args = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *TWO_RANKS, "run_name=hung",
             "engine.collective_timeout_s=5"]
     status, out, seconds = ended_within(start(args, tmp_path / "hung.jsonl", env={"GPO_FAULT_HANG": "1:3"}), 300)
-    assert status != 0 and "gpo_faults: rank 1 hangs in step 3" in out
+    assert status != 0 and "gpo_faults: rank 1 hangs in step 3" in out, out[-6000:]
     assert f"rank 0 of 2: {LOST_PEER} (Timed out waiting 5000ms" in out, out[-4000:]
     assert "internal error" not in out
     assert seconds < 120  # start-up, 2 steps, the 5 s timeout and the launcher's shutdown; not torch's 30 minutes
@@ -197,3 +197,27 @@ def test_collective_timeout_must_be_positive():
 
     with pytest.raises(UserError, match="engine.collective_timeout_s must be > 0"):
         build_accelerator(EngineConfig(collective_timeout_s=0), TrainConfig(), OptimConfig())
+
+
+def _name_worker(rank, port, out_dir):
+    from gpo.distributed import from_rank_zero
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        Path(out_dir, f"rank{rank}").write_text(from_rank_zero(f"run-started-by-rank-{rank}"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_every_rank_takes_rank_zeros_run_name(tmp_path):
+    # A default run name holds the time each rank computed it. Ranks that started a second apart would each write
+    # into their own run folder: rank 1's RNG state outside rank 0's checkpoint, which a resume then loses without
+    # a word (Accelerate only logs "Could not load random states"). The engine takes rank 0's name.
+    import torch.multiprocessing as mp
+    from test_distributed import _free_port
+
+    from gpo.distributed import from_rank_zero
+
+    assert from_rank_zero("alone") == "alone"
+    mp.spawn(_name_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["run-started-by-rank-0"] * 2

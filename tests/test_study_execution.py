@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from gpo import cli
 from gpo.errors import UserError
+from gpo.study import plan
 
 sys.path.insert(0, str(Path(__file__).parent / "plugins"))
 
@@ -75,3 +77,63 @@ def test_resume_needs_a_study_directory_and_no_other_arguments(tmp_path, capsys)
     assert "study.parallel must be >= 1" in capsys.readouterr().err
     assert cli.main(["study", "task=toy", "plugins=[gpo_toy]", "study.launcher=slurm"]) == 2
     assert "study.launcher must be `local` or `ray`" in capsys.readouterr().err
+
+
+# --- pieces of the runner, without training -----------------------------------------------------------------------
+
+
+def test_a_multi_rank_run_gets_a_config_file_that_composes_back_to_itself(tmp_path):
+    """Runs with engine.num_processes > 1 go through `gpo run --config FILE` on every rank."""
+    from gpo.config import compose
+    from gpo.study.child import rank_config
+
+    p = plan(["pruner=none", "algo=dapo", "engine.num_processes=2", "task=toy", "plugins=[gpo_toy]"])
+    cfg = p.runs[0].cfg
+    f = tmp_path / "run.yaml"
+    OmegaConf.save(OmegaConf.create(rank_config(cfg)), f)
+    assert OmegaConf.to_container(compose([], [f])) == OmegaConf.to_container(cfg)  # pruner none, not base's topk
+
+
+def test_runs_at_once_each_get_their_own_gpus(monkeypatch, tmp_path):
+    """study.parallel=3 on a machine with 2 GPUs and 1 GPU per run: never more than 2 at once, never sharing one."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from gpo.study import runner
+
+    active, seen, lock = set(), [], threading.Lock()
+
+    def fake_run_child(cfg, run_dir, devices=None, sys_path=None):
+        with lock:
+            assert devices is not None and len(devices) == 1 and not active & set(devices)
+            active.update(devices)
+            seen.append((cfg.run_name, tuple(devices), len(active)))
+        time.sleep(0.2)
+        with lock:
+            active.difference_update(devices)
+        return runner.Outcome("FINISHED", "", None, None), run_dir / "study.log"
+
+    monkeypatch.setattr(runner, "run_child", fake_run_child)
+    monkeypatch.setattr(runner, "_cuda_devices", lambda: 2)
+    runs = [SimpleNamespace(index=i) for i in (1, 2, 3)]
+    configs = {i: OmegaConf.create({"run_name": f"run-{i}", "engine": {"num_processes": 1}}) for i in (1, 2, 3)}
+    options = SimpleNamespace(launcher="local", parallel=3)
+    done = list(runner._execute(runs, configs, options, tmp_path))
+    assert sorted(r.index for r, _, _ in done) == [1, 2, 3]
+    assert max(n for _, _, n in seen) == 2  # the third run waited for a free GPU
+    configs[1].engine.num_processes = 3
+    with pytest.raises(UserError, match="needs 3 GPUs .* shows 2"):
+        list(runner._execute(runs, configs, options, tmp_path))
+
+
+@pytest.mark.slow
+def test_a_multi_rank_run_of_a_study_goes_through_gpo_run(tiny_model_path, tmp_path):
+    args = [a for a in _args(tiny_model_path, tmp_path) if not a.startswith(("task=", "train.questions_per_step="))]
+    assert cli.main(["study", *args, "task=toy", "engine.num_processes=2", "train.questions_per_step=2"]) == 0
+    (study_dir,) = tmp_path.glob("study-*")
+    (row,) = list(csv.DictReader(open(study_dir / "study.csv")))
+    assert row["status"] == "FINISHED" and float(row["train_s"]) > 0, row
+    log = next(study_dir.glob("01-*/study.log")).read_text()
+    assert "launching 2 processes" in log and "-m gpo run --config" in log
+    assert float(row["peak_rss_mb"]) > 100  # the largest rank's peak, not the launcher's

@@ -154,3 +154,11 @@ def test_groups_table_pairs_by_seed_and_says_when_there_is_no_difference(tmp_pat
     assert "accuracy (validation)" in rates[0] and float(rates[1]["tokens_trained"]) == 25.0
     assert (tmp_path / "out" / "rates.png").read_bytes()[:4] == b"\x89PNG"
     assert "By pruning rate" in md
+
+
+def test_the_shipped_rate_study_plans_four_rates_by_three_seeds():
+    p = plan(["experiment=cppo_rates_arith"])
+    assert len(p.runs) == 12 and p.options.seeds == 3
+    assert sorted({r.cfg.pruner.rate for r in p.runs}) == [0.0, 0.5, 0.75, 0.875]
+    assert [(r.cfg.pruner.rate, r.seed) for r in p.baseline_runs()] == [(0.0, 42), (0.0, 43), (0.0, 44)]
+    assert all(list(r.cfg.eval.tasks) == ["arith"] for r in p.runs)

@@ -14,7 +14,8 @@ def child(spec_path: str) -> int:
     # Plug-ins the study could import (e.g. added to sys.path by the caller) must import here too. Appended, never
     # prepended: the caller's path may end in folders such as setuptools/_vendor (added by importing setuptools),
     # whose old vendored copies would otherwise shadow the real packages in site-packages.
-    sys.path.extend(p for p in spec["sys_path"] if p not in sys.path)
+    extra = [p for p in spec["sys_path"] if p not in sys.path]
+    sys.path.extend(extra)
     status, error, ranks = "FAILED", "", False
     try:
         from omegaconf import OmegaConf
@@ -29,7 +30,7 @@ def child(spec_path: str) -> int:
         engine = section(cfg, "engine")
         if launch.needs_launch(engine):  # several ranks: `gpo run` under accelerate launch, as a user would
             ranks = True
-            code = _launch_ranks(cfg, engine)
+            code = _launch_ranks(cfg, engine, extra)
             status, error = ("FINISHED", "") if code == 0 else ("FAILED", f"a rank exited with status {code}")
         else:
             from gpo.engine import train
@@ -49,18 +50,34 @@ def child(spec_path: str) -> int:
     return 0 if status == "FINISHED" else 1
 
 
-def _launch_ranks(cfg, engine) -> int:
-    """`gpo run --config RESOLVED.yaml` on every rank. The file names each component in `defaults:` so the
-    composer picks the same components before the resolved sections are laid over them."""
+def rank_config(cfg) -> dict:
+    """The resolved config as a `gpo run --config` file: it names each component in `defaults:`, so the composer
+    picks the same components before the resolved sections are laid over them."""
     from omegaconf import OmegaConf
 
-    from gpo import launch
     from gpo.config import COMPONENT_GROUPS
 
     body = OmegaConf.to_container(cfg, resolve=True)
     body["defaults"] = {kind: body[kind]["name"] for kind in COMPONENT_GROUPS}
+    return body
+
+
+def _launch_ranks(cfg, engine, extra_path: list[str]) -> int:
+    """`gpo run --config RESOLVED.yaml` on every rank, under accelerate launch. The ranks find the study's
+    plug-ins through PYTHONPATH; folders inside an installation (site-packages, such as setuptools/_vendor) are
+    left out, since PYTHONPATH would put their old vendored copies before the real packages."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from gpo import launch
+
+    own = [p for p in extra_path if "site-packages" not in p and "dist-packages" not in p]
+    if own:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*own, *filter(None, [os.environ.get("PYTHONPATH")])])
+
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gpo-study-run-", delete=False) as f:
-        OmegaConf.save(OmegaConf.create(body), f.name)
+        OmegaConf.save(OmegaConf.create(rank_config(cfg)), f.name)
     try:
         return launch.relaunch(engine, ["--config", f.name])
     finally:

@@ -190,7 +190,7 @@ def _execute(runs: list[PlannedRun], configs: dict[int, DictConfig], options: An
 
         yield from run_all(runs, configs, options)
         return
-    devices = DevicePool()
+    devices = DevicePool(_cuda_devices())
     need = {r.index: _devices_needed(configs[r.index]) for r in runs}
     devices.check(max(need.values(), default=0))
     if options.parallel == 1:
@@ -216,14 +216,18 @@ def _devices_needed(cfg: DictConfig) -> int:
     return int(cfg.engine.num_processes)
 
 
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 class DevicePool:
-    """The GPUs this machine shows, handed out to runs; empty (and never waited on) without CUDA."""
+    """`count` GPUs handed out to runs, a run waiting while too few are free; without GPUs (0) nobody waits."""
 
-    def __init__(self) -> None:
-        import torch
-
-        self.free = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        self.total = len(self.free)
+    def __init__(self, count: int) -> None:
+        self.free = list(range(count))
+        self.total = count
         self.changed = threading.Condition()
 
     def check(self, most: int) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from gpo.errors import UserError
 from gpo.tasks.answers import as_decimal, numbers, r1_formatted, weighted_rewards
-from gpo.tasks.data import DataSource, check_options, read_rows, resolve
+from gpo.tasks.data import check_options, read_rows, resolve
 from gpo.tasks.math import CORRECT, SYSTEM_PROMPT, predicted_answer
 from gpo.types import Example, Grade, Messages, Rewards
 

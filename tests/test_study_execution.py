@@ -73,6 +73,10 @@ def test_resume_needs_a_study_directory_and_no_other_arguments(tmp_path, capsys)
     (tmp_path / "study-args.json").write_text('{"args": [], "config_files": [], "baseline": null}')
     assert cli.main(["study", f"study.resume={tmp_path}", "algo=dapo"]) == 2
     assert "with the arguments it was started with" in capsys.readouterr().err
+    f = tmp_path / "resume.yaml"
+    f.write_text(f"study:\n  resume: {tmp_path}\n")
+    assert cli.main(["study", "task=toy", "plugins=[gpo_toy]", "--config", str(f)]) == 2
+    assert "give it on the command line" in capsys.readouterr().err
     assert cli.main(["study", "task=toy", "plugins=[gpo_toy]", "study.parallel=0"]) == 2
     assert "study.parallel must be >= 1" in capsys.readouterr().err
     assert cli.main(["study", "task=toy", "plugins=[gpo_toy]", "study.launcher=slurm"]) == 2

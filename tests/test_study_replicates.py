@@ -101,7 +101,8 @@ def test_a_single_run_refuses_study_settings(tmp_path):
 # --- tables from hand-made runs -----------------------------------------------------------------------------------
 
 
-def _run(client, exp, group, seed, times, acc, *, baseline=False, rate=None, status="FINISHED", kept=1.0):
+def _run(client, exp, group, seed, times, acc, *, baseline=False, rate=None, status="FINISHED", kept=1.0,
+         test_acc=None):
     tags = {TAG_COMBINATION: f"{group} seed={seed}", TAG_GROUP: group}
     if baseline:
         tags[TAG_BASELINE] = "true"
@@ -111,11 +112,15 @@ def _run(client, exp, group, seed, times, acc, *, baseline=False, rate=None, sta
     client.log_param(run_id, "pruner.name", "none" if rate is None else "topk")
     client.log_param(run_id, "pruner.rate", str(rate))
     client.log_param(run_id, "eval.split", "validation")
+    client.log_param(run_id, "task.name", "arith")
     for step, seconds in enumerate(times, start=1):
         for key, value in {"time/step": seconds, "reward/mean": 0.1 * step, "tokens/generated": 100.0,
                            "tokens/trained": 100.0 * kept, "prune/kept_frac": kept}.items():
             client.log_metric(run_id, key, value, step=step)
     client.log_metric(run_id, "eval/after/accuracy", acc, step=len(times))
+    if test_acc is not None:  # eval.tasks=[arith] and eval.samples=2, as a run logs them
+        client.log_metric(run_id, "eval/after/arith/accuracy", test_acc, step=len(times))
+        client.log_metric(run_id, "eval/after/arith/pass_at_2", test_acc + 0.1, step=len(times))
     client.set_terminated(run_id, status)
     return run_id
 
@@ -127,7 +132,7 @@ def test_groups_table_pairs_by_seed_and_says_when_there_is_no_difference(tmp_pat
     exp = client.create_experiment("gpo", artifact_location=(tmp_path / "art").as_uri())
     ids = [_run(client, exp, "pruner=none", s, [t / 2, t / 2], a, baseline=True)
            for s, t, a in ((1, 10.0, 0.5), (2, 12.0, 0.6), (3, 16.0, 0.4))]
-    ids += [_run(client, exp, "pruner=topk pruner.rate=0.75", s, [t], a, rate=0.75, kept=0.25)
+    ids += [_run(client, exp, "pruner=topk pruner.rate=0.75", s, [t], a, rate=0.75, kept=0.25, test_acc=a / 2)
             for s, t, a in ((1, 5.0, 0.6), (2, 6.0, 0.5), (3, 16 / 1.75, 0.5))]
     report(ids, tracking_uri=str(tmp_path), out_dir=tmp_path / "out")
 
@@ -151,7 +156,11 @@ def test_groups_table_pairs_by_seed_and_says_when_there_is_no_difference(tmp_pat
     # two rates: the paper-style table, k kept of G from the measured kept fraction
     rates = list(csv.DictReader(open(tmp_path / "out" / "rates.csv")))
     assert [(r["rate"], r["kept"]) for r in rates] == [("0.0", "8 of 8"), ("0.75", "2 of 8")]
-    assert "accuracy (validation)" in rates[0] and float(rates[1]["tokens_trained"]) == 25.0
+    assert float(rates[1]["tokens_trained"]) == 25.0
+    # eval.tasks scored the run's own task: the rates table reports that test accuracy (blank where not logged)
+    assert rates[0]["accuracy (arith test)"] == "" and float(rates[1]["accuracy (arith test)"]) == pytest.approx(
+        (0.3 + 0.25 + 0.25) / 3)
+    assert float(runs[3]["arith_pass_at_2"]) == pytest.approx(0.4) and runs[0]["arith_accuracy"] == "" 
     assert (tmp_path / "out" / "rates.png").read_bytes()[:4] == b"\x89PNG"
     assert "By pruning rate" in md
 

@@ -62,8 +62,12 @@ def study_from_args(args: list[str], config_files: list[str] = (), baseline: str
         from gpo.study.ray_launcher import require
 
         require()
+    resuming = study_dir is not None
+    if options.resume and not resuming:
+        raise UserError("study.resume names the study to continue: give it on the command line "
+                        "(`gpo study study.resume=DIR`), not in a file.")
     first = the_plan.runs[0].cfg
-    if study_dir is None:
+    if not resuming:
         study_dir = _new_dir(Path(first.output_dir), "study-" + time.strftime("%Y%m%d-%H%M%S"))
         saved = {"args": [a for a in args if not a.startswith("study.resume=")], "config_files":
                  [str(Path(f).resolve()) for f in config_files], "baseline": baseline}
@@ -82,7 +86,7 @@ def study_from_args(args: list[str], config_files: list[str] = (), baseline: str
         _say(f"  {run.index:>2}. {run.combination}{'  (baseline)' if run.group == base_group else ''}")
 
     client, experiment_id = store.open_store(uri, experiment, study_dir)
-    parent, finished = _parent_run(client, experiment_id, study_dir, args)
+    parent, finished = _parent_run(client, experiment_id, study_dir, args, resuming)
     todo = [r for r in the_plan.runs if r.index not in finished]
     if finished:
         _say(f"resuming: {len(finished)} finished runs kept, {len(todo)} to run")
@@ -133,10 +137,11 @@ def _resumed(args: list[str], config_files: list[str], baseline: str | None):
     return kept + options, saved["config_files"], saved["baseline"], study_dir
 
 
-def _parent_run(client: Any, experiment_id: str, study_dir: Path, args: list[str]) -> tuple[str, dict[int, str]]:
+def _parent_run(client: Any, experiment_id: str, study_dir: Path, args: list[str],
+                resuming: bool) -> tuple[str, dict[int, str]]:
     """The study's parent run (the existing one when resuming) and its finished children by grid index."""
     found = client.search_runs([experiment_id], filter_string=f"tags.{TAG_ROLE} = 'parent' and "
-                               f"attributes.run_name = '{study_dir.name}'")
+                               f"attributes.run_name = '{study_dir.name}'") if resuming else []
     if not found:
         parent = client.create_run(experiment_id, run_name=study_dir.name, tags={TAG_ROLE: "parent"}).info.run_id
         client.log_param(parent, "grid", " ".join(args)[:6000])

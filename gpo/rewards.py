@@ -9,6 +9,8 @@ What happens then is the task's choice, through its attribute `reward_errors`:
   right (e.g. a parser that gives up on garbage). The batch is then scored one completion at a time; each that
   raises scores 0 on every component and counts in the metric `reward/errors` (always logged for such a task).
   A batch on which every completion raises still stops the run: that is a broken reward function, not odd output.
+  A reward that depends on the batch as a whole (e.g. normalised over it) should not opt in: the re-scored
+  completions would each be scored alone.
 
 Either way what comes back is checked: one value per completion in `total` and in every component (else the task
 is broken: a `UserError`), and finite numbers. A NaN or infinite score is treated as that completion raising: it

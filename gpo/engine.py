@@ -35,6 +35,8 @@ from gpo.parallel import (accumulating, build_accelerator, full_state_dict, gath
 from gpo.pruners.metrics import prune_metrics
 from gpo.rewards import score as score_completions
 from gpo.rollout import completion_tokens, decode_completions, encode_prompts, generate
+from gpo.rollout_phases import (CONTINUATION_SEED, Call, RoundLedger, joined, ledger, phase_calls, rank_share,
+                                rewards_by_question, selection_metrics, whole_groups)
 from gpo.sampler import QuestionStream
 from gpo.tracking import NullTracker
 from gpo.types import RolloutBatch, Sampling, StepTotals
@@ -60,6 +62,7 @@ class Engine:
         self.run_dir = Path(cfg.output_dir) / self.run_name
 
         self.objective = self._build("algo", mu=T.mu, max_completion_length=T.max_completion_length)
+        self.selector = self._build("selector")
         self.pruner = self._build("pruner")
         self.allocator = self._build("allocator")
         self.task = self._build("task")
@@ -97,17 +100,19 @@ class Engine:
         T, timer = self.train_cfg, PhaseTimer()
         self._task_metrics = {}
         slots = T.questions_per_step * T.group_size
-        kept_per_group = self.pruner.expected_kept_per_group(T.group_size)
+        kept_per_group = self._kept_per_candidate()
         # 1 plan: how many questions this round; 8 refills come back here while slots stay empty
         questions = self.allocator.first_round(slots, T.group_size, kept_per_group, self.world_size)
-        seen, candidates, kept_parts, rounds = [], [], [], 0
+        seen, candidates, kept_parts, rounds, spent = [], [], [], 0, RoundLedger()
         while questions > 0:
-            # 2-5 sample, generate, reward, filter; 6 advantages over each full group
-            batch, group_keep = self._rollout(questions, rounds, timer)
+            # 2-5 sample, select, generate (in the selector's phases), reward, filter; 6 advantages per whole group
+            batch, group_keep, round_spent = self._rollout(questions, rounds, timer)
             seen.append(batch)
+            spent = spent.add(round_spent)
             batch = batch.select(group_keep.repeat_interleave(T.group_size))
             # 7 prune: decided on the whole step's batch, identically on every rank
-            keep = keep_divisible(batch.advantages.abs().cpu(), self.pruner.keep(batch), self.world_size)
+            keep = (keep_divisible(batch.advantages.abs().cpu(), self.pruner.keep(batch), self.world_size)
+                    if len(batch) else torch.zeros(0, dtype=torch.bool))
             candidates.append((batch, keep))
             kept_parts.append(batch.select(keep))
             rounds += 1
@@ -123,43 +128,76 @@ class Engine:
         # 11 metrics of this step
         self.step_index += 1
         return {
-            **self._rollout_metrics(seen, candidates),
+            **self._rollout_metrics(seen, candidates, spent),
             **update_metrics,
             **self.allocator.metrics(),
+            **self.selector.metrics(),
             **timer.metrics(),
         }
 
     # ---------------------------------------------------------------------------------------------------------
-    def _rollout(self, n_questions: int, round_index: int, timer: PhaseTimer) -> tuple[RolloutBatch, torch.Tensor]:
-        """This rank generates and scores its share; every rank returns the whole round, with advantages."""
-        G = self.train_cfg.group_size
-        examples = self.questions.take(n_questions)  # the same questions, in the same order, on every rank
-        share = n_questions // self.world_size
-        mine = examples[self.rank * share : (self.rank + 1) * share]
-        with timer("generate"), gathered(self.accelerator, self.policy):
-            prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine], self.train_cfg.max_prompt_length)
-            # Seeded by the global index of this rank's first question (backends offset the seed per prompt), so
-            # the step's samples do not depend on how many ranks share the generation.
-            local = generate(
-                self.backend, prompts, G, self.sampling, seed=self._seed(round_index) + self.rank * share,
-                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
-            )
-        with timer("reward"):
-            texts = decode_completions(self.tokenizer, completion_tokens(local))
-            scored = score_completions(self.task, self.cfg.task.name, texts, [e for e in mine for _ in range(G)])
-            local.rewards = torch.tensor(scored.total, dtype=torch.float32)  # [N_rank]
-            local.reward_components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scored.components.items()}
-            for k, v in scored.metrics.items():  # counts such as verify_timeouts, summed over ranks and rounds
-                key = f"reward/{k}"
-                self._task_metrics[key] = self._task_metrics.get(key, 0.0) + float(all_reduce_sum(float(v)))
-        batch = all_gather_batch(local, self.tokenizer.pad_token_id)
+    def _rollout(self, n_questions: int, round_index: int,
+                 timer: PhaseTimer) -> tuple[RolloutBatch, torch.Tensor, RoundLedger]:
+        """The round's candidates, generated in the phases the selector asks for; every rank returns the round's
+        whole groups with advantages (screened-out rows are only counted) and what selection did."""
+        G, pad, seed = self.train_cfg.group_size, self.tokenizer.pad_token_id, self._seed(round_index)
+        pool = self.questions.take_indices(n_questions)  # the same questions, in the same order, on every rank
+        examples = [self.questions.examples[i] for i in pool]
+        counts = self.selector.first_phase(pool, G, seed=seed)
+        parts = self._phase(examples, counts, seed, timer)
+        screened = [i for i, c in enumerate(counts) if 0 < c < G]
+        continued: list[int] = []
+        if screened:  # a second phase: the rest of the group for the screened questions the selector continues
+            rows, question = joined(parts, pad)
+            so_far = rewards_by_question(rows.rewards, question, len(counts))
+            verdicts = self.selector.continue_after([pool[i] for i in screened], [so_far[i] for i in screened], G)
+            continued = [i for i, go in zip(screened, verdicts, strict=True) if go]
+            more = [G - counts[i] if i in continued else 0 for i in range(len(counts))]
+            parts += self._phase(examples, more, (seed + CONTINUATION_SEED) % (2**31), timer)
+        rows, question = joined(parts, pad)
+        per_question = rewards_by_question(rows.rewards, question, len(counts))  # every row, screening included
+        self.selector.observe(pool, per_question, self.step_index)
+        spent = ledger(counts, len(continued), per_question, int(rows.lengths.sum()), G)
+        batch = rows.select(whole_groups(question, G))
+        batch.group_ids = torch.arange(len(batch) // G).repeat_interleave(G)  # [N]
+        if len(batch) == 0:
+            return batch, torch.zeros(0, dtype=torch.bool), spent
         rewards = self.objective.shape_rewards(
             batch.rewards.view(-1, G), batch.lengths.view(-1, G), batch.truncated.view(-1, G)
         )  # [B, G]
         components = {k: v.view(-1, G) for k, v in batch.reward_components.items()}  # name -> [B, G]
         group_keep = self.objective.group_filter(rewards, components)  # [B]
         advantages = self.objective.advantages(rewards)  # [B, G]
-        return dataclasses.replace(batch, rewards=rewards.flatten(), advantages=advantages.flatten()), group_keep
+        return dataclasses.replace(batch, rewards=rewards.flatten(), advantages=advantages.flatten()), group_keep, spent
+
+    def _phase(self, examples: list, counts: list[int], seed: int,
+               timer: PhaseTimer) -> list[tuple[RolloutBatch, torch.Tensor]]:
+        """One phase's generation calls (candidates with equal counts share one): each call's whole batch, scored,
+        with the candidate position of each row ([N_call])."""
+        return [(self._generate(examples, call, seed, timer), torch.tensor(call.questions).repeat_interleave(call.n))
+                for call in phase_calls(counts, self.train_cfg.group_size)]
+
+    def _generate(self, examples: list, call: Call, seed: int, timer: PhaseTimer) -> RolloutBatch:
+        """This rank generates and scores its share of the call; every rank returns the call's whole batch."""
+        share = rank_share(len(call.questions), self.rank, self.world_size)
+        mine = [examples[i] for i in call.questions[share]]
+        with timer("generate"), gathered(self.accelerator, self.policy):
+            prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine], self.train_cfg.max_prompt_length)
+            # Seeded by the phase-wide index of this rank's first prompt (backends offset the seed per prompt), so
+            # the step's samples do not depend on how many ranks share the generation.
+            local = generate(
+                self.backend, prompts, call.n, self.sampling, seed=seed + call.offset + share.start,
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
+            )
+        with timer("reward"):
+            texts = decode_completions(self.tokenizer, completion_tokens(local))
+            scored = score_completions(self.task, self.cfg.task.name, texts, [e for e in mine for _ in range(call.n)])
+            local.rewards = torch.tensor(scored.total, dtype=torch.float32)  # [N_rank]
+            local.reward_components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scored.components.items()}
+            for k, v in scored.metrics.items():  # counts such as verify_timeouts, summed over ranks and rounds
+                key = f"reward/{k}"
+                self._task_metrics[key] = self._task_metrics.get(key, 0.0) + float(all_reduce_sum(float(v)))
+        return all_gather_batch(local, self.tokenizer.pad_token_id)
 
     def _fill_logprobs(self, kept: RolloutBatch) -> None:
         T = self.train_cfg
@@ -204,22 +242,32 @@ class Engine:
             "train/rows": float(totals.sequences),
         }
 
-    def _rollout_metrics(self, seen: list[RolloutBatch], candidates: list[tuple[RolloutBatch, torch.Tensor]]) -> dict:
+    def _rollout_metrics(self, seen: list[RolloutBatch], candidates: list[tuple[RolloutBatch, torch.Tensor]],
+                         spent: RoundLedger) -> dict:
         G = self.train_cfg.group_size
         full = RolloutBatch.concat(seen, self.tokenizer.pad_token_id)
         out = {f"reward/{k}_mean": float(v.mean()) for k, v in full.reward_components.items()}
         out.update({f"reward/{k}_std": float(v.std()) if len(v) > 1 else 0.0 for k, v in full.reward_components.items()})
-        out.update(advantage_metrics(full.rewards.view(-1, G), full.advantages.view(-1, G)))
-        out["reward/mean"] = float(full.rewards.mean())
-        out["completion/length_mean"] = float(full.lengths.float().mean())
-        out["completion/truncated_frac"] = float(full.truncated.float().mean())
-        out["tokens/generated"] = float(full.lengths.sum())
+        if len(full):  # a step whose selector skipped every question has no whole group to describe
+            out.update(advantage_metrics(full.rewards.view(-1, G), full.advantages.view(-1, G)))
+        out["reward/mean"] = float(full.rewards.mean()) if len(full) else float("nan")
+        out["completion/length_mean"] = float(full.lengths.float().mean()) if len(full) else 0.0
+        out["completion/truncated_frac"] = float(full.truncated.float().mean()) if len(full) else 0.0
         out.update(self._task_metrics)
         batch = RolloutBatch.concat([b for b, _ in candidates], self.tokenizer.pad_token_id)
         keep = torch.cat([k for _, k in candidates])
         out.update(prune_metrics(batch, keep) if len(batch) else {"prune/kept_frac": 0.0})
         out["filter/kept_groups_frac"] = len(batch) / max(len(full), 1)
+        useful = sum(int((b.advantages[k].abs() > 0).sum()) for b, k in candidates)  # trained rows with signal
+        out.update(selection_metrics(spent, G, useful))  # tokens/generated counts screened-out rows too
         return out
+
+    def _kept_per_candidate(self) -> float | None:
+        """Completions the pruner keeps per group, times the share of candidates the selector expects to reach a
+        whole group: the yield per question drawn that the dynamic allocator sizes a step by."""
+        kept = self.pruner.expected_kept_per_group(self.train_cfg.group_size)
+        share = self.selector.expected_pass_fraction()
+        return kept if kept is None or share is None else kept * share
 
     def _seed(self, round_index: int) -> int:
         """Generation seed: a function of (run seed, step, round) only, so a resumed run samples the same."""
@@ -248,6 +296,7 @@ class Engine:
         state = {
             "questions": self.questions.state_dict(),
             "allocator": self.allocator.state_dict(),
+            "selector": self.selector.state_dict(),  # per-question history: resumed selections match
             "best_score": self.best_score,
             "run_name": self.run_name,
         }
@@ -285,6 +334,7 @@ class Engine:
         self.step_index = int(state["step"])
         self.questions.load_state_dict(state["questions"])
         self.allocator.load_state_dict(state["allocator"])
+        self.selector.load_state_dict(state.get("selector", {}))
         self.best_score = state.get("best_score")
         return candidate
 

@@ -18,11 +18,12 @@ from typing import Any
 
 from gpo.errors import UserError, did_you_mean
 
-KINDS = ("algo", "pruner", "allocator", "task", "backend", "tracker")
+KINDS = ("algo", "selector", "pruner", "allocator", "task", "backend", "tracker")
 
 # Importing these registers every built-in component of gpo.
 BUILTIN_MODULES = (
     "gpo.algorithms",
+    "gpo.selectors",
     "gpo.pruners",
     "gpo.allocators",
     "gpo.tasks",

@@ -1,4 +1,8 @@
-"""The order in which training questions are drawn: a seeded permutation per epoch, resumable exactly."""
+"""The order in which training questions are drawn: a seeded permutation per epoch, resumable exactly.
+
+A pool is finite (arith: task.train_size; GSM8K and MATH: their train files), so every question comes back once
+per epoch, in a new seeded order; selectors that learn from a question's history see it again.
+"""
 
 from __future__ import annotations
 
@@ -24,13 +28,18 @@ class QuestionStream:
         self._order = self._permutation()
 
     def take(self, n: int) -> list[Example]:
+        return [self.examples[i] for i in self.take_indices(n)]
+
+    def take_indices(self, n: int) -> list[int]:
+        """The next n questions as indices into the pool: a question's identity across epochs, ranks and resumes
+        (what history-based selectors key their per-question state on)."""
         out = []
         while len(out) < n:
             if self.position == len(self._order):
                 self.epoch += 1
                 self.position = 0
                 self._order = self._permutation()
-            out.append(self.examples[self._order[self.position]])
+            out.append(self._order[self.position])
             self.position += 1
         return out
 

@@ -226,6 +226,38 @@ class Allocator(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Selector(Protocol):
+    """selector: before generation, which of a round's candidate questions get rollouts, and in which phases.
+
+    Candidates are named by their index in the task's train pool (stable across epochs, ranks and resumes). The
+    engine asks `first_phase`, generates and scores what it says, then asks `continue_after` about every question
+    that got fewer than G completions; those it continues get the remaining completions, the rest are screened out
+    (their rollouts are counted, never trained on). `observe` then sees every generated completion's reward.
+    Decisions depend only on the selector's state, the arguments and `seed`, so every rank, given the same
+    all-gathered rewards, decides the same; the state (per-question history) is part of the checkpoint.
+    """
+
+    def first_phase(self, questions: list[int], group_size: int, seed: int) -> list[int]:
+        """Completions to generate now per candidate: 0 skips it, group_size generates its whole group, anything
+        between screens it first."""
+
+    def continue_after(self, questions: list[int], rewards: list[Tensor], group_size: int) -> list[bool]:
+        """For each question that got fewer than G completions, its rewards so far ([n] each): continue it to G?"""
+
+    def observe(self, questions: list[int], rewards: list[Tensor], step: int) -> None:
+        """Every generated completion's total reward per question ([n_i], screening rows included)."""
+
+    def expected_pass_fraction(self) -> float | None:
+        """The share of candidates expected to reach a full group (None: no estimate yet); the engine scales the
+        pruner's kept-per-group by it, so the dynamic allocator draws enough candidates to fill the step."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class Task(Protocol):
     """task: data, prompts, rewards and grading for one benchmark."""
 

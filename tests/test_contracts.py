@@ -4,7 +4,9 @@ For each entry: it builds from its default config, `gpo list` has a one-line sum
 dataclass survives a trip through the composer (YAML out, compose, dataclass back). Per kind, a small behavioural
 contract on synthetic data: pruner.keep -> bool [N], deterministic and pure; algo.advantages keeps [B, G] and
 stays finite (also for a zero-variance group); allocator.first_round -> a positive multiple of world_size;
-task.prompt -> chat messages (tasks that read benchmark files use ../shared/data and skip without it).
+task.prompt -> chat messages (tasks that read benchmark files use ../shared/data and skip without it);
+selector.first_phase -> a count in [0, G] per candidate, the same for the same state and seed, also after a
+state_dict round trip.
 """
 
 from __future__ import annotations
@@ -153,3 +155,28 @@ def test_task_prompt_returns_chat_messages(entry, tmp_path):
     assert isinstance(messages, list) and messages
     assert all(set(m) == {"role", "content"} and isinstance(m["content"], str) and m["content"] for m in messages)
     assert {m["role"] for m in messages} <= {"system", "user", "assistant"} and messages[-1]["role"] == "user"
+
+
+@pytest.mark.parametrize("entry", _entries("selector"))
+def test_selector_decides_counts_in_range_deterministically_and_restores_its_state(entry, tmp_path):
+    questions, group_size = [4, 0, 9, 2, 7, 5], 8
+    rewards = [torch.tensor([1.0] * 8), torch.tensor([0.0] * 8), torch.tensor([1.0, 0.0] * 4),
+               torch.tensor([1.0, 1.0, 0.0, 1.0] * 2), torch.tensor([0.0] * 8), torch.tensor([0.0, 1.0] * 4)]
+    selector, twin = _build(entry, tmp_path), _build(entry, tmp_path)
+    for s in (selector, twin):  # two rounds of history, the same on both (as on two ranks)
+        for step in range(2):
+            counts = s.first_phase(questions, group_size, seed=7 + step)
+            screened = [q for q, c in zip(questions, counts) if 0 < c < group_size]
+            verdicts = s.continue_after(screened, [rewards[questions.index(q)][:2] for q in screened], group_size)
+            assert isinstance(verdicts, list) and len(verdicts) == len(screened)
+            s.observe(questions, rewards, step=step)
+    counts = selector.first_phase(questions, group_size, seed=11)
+    assert isinstance(counts, list) and len(counts) == len(questions)
+    assert all(isinstance(c, int) and 0 <= c <= group_size for c in counts)
+    assert twin.first_phase(questions, group_size, seed=11) == counts  # equal state + seed: equal decisions
+    fraction = selector.expected_pass_fraction()
+    assert fraction is None or 0 < fraction <= 1
+    assert all(isinstance(v, float) for v in selector.metrics().values())
+    restored = _build(entry, tmp_path)
+    restored.load_state_dict(selector.state_dict())
+    assert restored.first_phase(questions, group_size, seed=12) == selector.first_phase(questions, group_size, seed=12)

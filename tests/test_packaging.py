@@ -1,6 +1,6 @@
 """The built wheel works on its own: installed into a fresh virtual environment, `gpo` runs from that copy.
 
-The top-level component folders (algorithms/, pruners/, allocators/, tasks/) and configs/ install as
+The top-level component folders (algorithms/, selection/, pruners/, allocators/, tasks/) and configs/ install as
 sub-packages of `gpo` (setuptools package-dir), so this checks what a user of the wheel gets: every component
 imported from the installed copy, never from the repository, the YAML configs found there, and nothing generic
 such as `tasks` landing at the top of site-packages. Dependencies come from this project's environment through
@@ -22,7 +22,7 @@ import yaml
 
 from kit import REPO
 
-COMPONENT_PACKAGES = ("algorithms", "pruners", "allocators", "tasks", "configs")
+COMPONENT_PACKAGES = ("algorithms", "selectors", "pruners", "allocators", "tasks", "configs")  # gpo.<name>
 SKIP_DIRS = {".git", ".venv", "build", "dist", "runs", "mlruns", "__pycache__", ".pytest_cache", ".hypothesis"}
 
 
@@ -97,7 +97,7 @@ def test_installed_copy_runs_and_imports_nothing_from_the_repository(venv, tmp_p
 def test_installed_gpo_command_lists_and_composes_from_its_own_configs(venv, tmp_path):
     gpo = venv / "bin" / "gpo"
     listed = _run([gpo, "list"], cwd=tmp_path, env=_clean_env()).stdout.splitlines()
-    for kind in ("algo", "pruner", "allocator", "task", "backend", "tracker"):
+    for kind in ("algo", "selector", "pruner", "allocator", "task", "backend", "tracker"):
         assert f"{kind}:" in listed
     assert any(line.startswith("  topk ") for line in listed)
     dry = _run([gpo, "run", "--dry-run", "experiment=smoke"], cwd=tmp_path, env=_clean_env()).stdout

@@ -126,7 +126,7 @@ def test_an_unknown_name_in_an_empty_kind_says_so():
 
 
 def test_an_unknown_kind_lists_the_kinds():
-    with pytest.raises(UserError, match="kinds are algo, pruner, allocator, task, backend, tracker"):
+    with pytest.raises(UserError, match="kinds are algo, selector, pruner, allocator, task, backend, tracker"):
         registry.get("prunner", "topk")
 
 

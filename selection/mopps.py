@@ -1,0 +1,115 @@
+"""`mopps`: MoPPS, model-predictive prompt selection (Qu et al., arXiv 2507.04632; thu-rllab/MoPPS).
+
+Relative to GRPO: every question carries a Beta(alpha, beta) posterior of its success rate, updated from its own
+rollouts (alpha += successes, beta += failures, after discounting the old evidence by `decay` towards the prior).
+Before generation a success rate is Thompson-sampled for each candidate, and only those whose sample is nearest to
+`target` (0.5: the questions whose groups are most likely mixed, hence carry advantage) get rollouts: the
+`keep_fraction` nearest, or, with `band: [low, high]`, every candidate whose sample lies in the band.
+
+Where gpo differs, and why:
+- The candidate set is what the allocator draws this round (it draws 1/keep_fraction times as many), instead of a
+  fixed larger pre-sampled batch, so the step still fills its B*G slots whatever the fraction.
+- A completion counts as a success when its total reward is >= `success_threshold` (0.5 reads the built-in tasks'
+  accuracy-plus-small-format-bonus rewards right); MoPPS works with binary verifier rewards only.
+- `decay` (default 1.0, no forgetting) is exposed because the policy moves; the released code's value was not
+  checked in writing this file.
+- Thompson draws come from a generator seeded by (run seed, step, round): every rank and every resume agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gpo.errors import UserError
+from gpo.registry import register
+from gpo.selectors.variance import PASS_ESTIMATE_FLOOR, successes
+
+
+@dataclass
+class MoppsConfig:
+    target: float = 0.5  # the success rate a kept question is nearest to
+    keep_fraction: float = 0.5  # share of the candidates kept (ignored when `band` is set)
+    band: list[float] | None = None  # e.g. [0.3, 0.7]: keep every candidate whose sampled rate lies inside
+    prior_alpha: float = 1.0  # Beta(1, 1): uniform prior
+    prior_beta: float = 1.0
+    decay: float = 1.0  # old evidence is scaled by this before each update (1: none forgotten)
+    success_threshold: float = 0.5
+
+
+@register("selector", "mopps", config=MoppsConfig)
+class Mopps:
+    """MoPPS: Thompson-sample each question's Beta posterior; generate for those nearest a 0.5 success rate."""
+
+    def __init__(self, cfg: MoppsConfig) -> None:
+        if not 0 < cfg.keep_fraction <= 1:
+            raise UserError(f"selector.keep_fraction must be in (0, 1], got {cfg.keep_fraction}.")
+        if cfg.band is not None and not (len(cfg.band) == 2 and 0 <= cfg.band[0] < cfg.band[1] <= 1):
+            raise UserError(f"selector.band must be [low, high] with 0 <= low < high <= 1, got {cfg.band}.")
+        if cfg.prior_alpha <= 0 or cfg.prior_beta <= 0 or not 0 < cfg.decay <= 1 or not 0 <= cfg.target <= 1:
+            raise UserError("selector: prior_alpha and prior_beta must be > 0, decay in (0, 1], target in [0, 1].")
+        self.cfg = cfg
+        self.posterior: dict[int, tuple[float, float]] = {}  # question -> (alpha, beta)
+        self.kept_frac: float | None = cfg.keep_fraction if cfg.band is None else None
+
+    def first_phase(self, questions: list[int], group_size: int, seed: int) -> list[int]:
+        if not questions:
+            return []
+        C = self.cfg
+        ab = [self.posterior.get(q, (C.prior_alpha, C.prior_beta)) for q in questions]
+        alpha = torch.tensor([a for a, _ in ab], dtype=torch.float64)
+        beta = torch.tensor([b for _, b in ab], dtype=torch.float64)
+        sampled = beta_sample(alpha, beta, seed)  # [n]
+        if C.band is not None:
+            keep = ((sampled >= C.band[0]) & (sampled <= C.band[1])).tolist()
+            self.kept_frac = sum(keep) / len(keep)
+        else:
+            n_keep = math.ceil(C.keep_fraction * len(questions))
+            # Ties in distance break by position (a stable sort), never by an unspecified order.
+            order = torch.sort((sampled - C.target).abs(), stable=True).indices[:n_keep]
+            keep = [False] * len(questions)
+            for i in order.tolist():
+                keep[i] = True
+        return [group_size if k else 0 for k in keep]
+
+    def continue_after(self, questions: list[int], rewards: list[Tensor], group_size: int) -> list[bool]:
+        return [True] * len(questions)  # never asked: a kept question gets its whole group at once
+
+    def observe(self, questions: list[int], rewards: list[Tensor], step: int) -> None:
+        C = self.cfg
+        for q, r in zip(questions, rewards, strict=True):
+            if not r.numel():
+                continue
+            right = int(successes(r, C.success_threshold).sum())
+            a, b = self.posterior.get(q, (C.prior_alpha, C.prior_beta))
+            a = C.decay * a + (1 - C.decay) * C.prior_alpha + right
+            b = C.decay * b + (1 - C.decay) * C.prior_beta + (r.numel() - right)
+            self.posterior[q] = (a, b)
+
+    def expected_pass_fraction(self) -> float | None:
+        return None if self.kept_frac is None else max(self.kept_frac, PASS_ESTIMATE_FLOOR)
+
+    def metrics(self) -> dict[str, float]:
+        if not self.posterior:
+            return {}
+        means = [a / (a + b) for a, b in self.posterior.values()]
+        return {"select/posterior_mean": sum(means) / len(means), "select/tracked": float(len(means))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"posterior": {int(q): [a, b] for q, (a, b) in self.posterior.items()}, "kept_frac": self.kept_frac}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.posterior = {int(q): (float(a), float(b)) for q, (a, b) in state["posterior"].items()}
+        self.kept_frac = state["kept_frac"]
+
+
+def beta_sample(alpha: Tensor, beta: Tensor, seed: int) -> Tensor:
+    """[n] Beta(alpha, beta) draws from a generator seeded by `seed` alone (numpy's: torch.distributions draws from
+    the global RNG only), so the same seed gives the same draws on every rank and after a resume."""
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(rng.beta(alpha.numpy(), beta.numpy()))

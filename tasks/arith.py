@@ -49,7 +49,7 @@ class ArithConfig:
     allow_negative: bool = False  # if False, a subtraction never takes the running total below zero
     style: str = "question"  # question: "What is 3 + 5?"; story: a word problem around the same expression
     seed: int = 0
-    train_size: int = 10000
+    train_size: int = 10000  # a finite pool, cycled in seeded epochs: e.g. 64 so history-based selectors see repeats
     validation_size: int = 256
     test_size: int = 500
     format_weight: float = 0.1  # small: strict answer tags alone give a 135M model almost no signal
@@ -96,6 +96,9 @@ class Arith:
         bad = [op for op in cfg.operators if op not in PHRASES]
         if bad or not cfg.operators:
             raise UserError(f"task.operators must be a non-empty list drawn from {list(PHRASES)}, got {cfg.operators}.")
+        if min(cfg.train_size, cfg.validation_size, cfg.test_size) < 1:
+            raise UserError(f"task.train_size, validation_size and test_size must be >= 1, got {cfg.train_size}, "
+                            f"{cfg.validation_size} and {cfg.test_size}.")
         if cfg.style not in STYLES:
             raise UserError(f"task.style must be one of {', '.join(STYLES)}, got `{cfg.style}`.")
         self.cfg = cfg

@@ -211,3 +211,15 @@ def test_a_finite_pool_comes_back_once_per_epoch_in_a_new_seeded_order():
     assert resumed.take_indices(3) == epochs[1][2:]
     stream.load_state_dict({"epoch": 0, "position": 0})
     assert stream.take(2) == [{"i": i} for i in epochs[0][:2]]
+
+
+def test_arith_trains_on_a_fixed_pool_of_train_size_questions():
+    arith = registry.get("task", "arith").build({"train_size": 8, "digits": 2})
+    pool = arith.load("train")
+    assert len(pool) == 8
+    stream = QuestionStream(pool, seed=0)
+    two_epochs = stream.take(16)
+    assert sorted(e["question"] for e in two_epochs[:8]) == sorted(e["question"] for e in pool)
+    assert sorted(e["question"] for e in two_epochs[8:]) == sorted(e["question"] for e in pool)
+    with pytest.raises(UserError, match="train_size"):
+        registry.get("task", "arith").build({"train_size": 0})

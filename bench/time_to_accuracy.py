@@ -1,0 +1,156 @@
+"""Time to accuracy: does choosing questions before generation (selector) compose with CPPO's pruning after it?
+
+Arms: grpo, dapo (dynamic sampling), cppo (top-k P=0.75 + dynamic allocator), screen (SPEED-RL), screen+cppo,
+greso+cppo and mopps+cppo, on two-digit arith from a fixed pool (task.train_size), so questions come back and the
+history-based selectors see them again. All arms of one seed live in one process and take training steps in turn
+(the arm with the least training time so far goes next), so load from other jobs hits them alike; each arm stops
+when its own summed step time reaches the budget. Held-out greedy accuracy (validation split) is measured at
+fixed fractions of the budget, outside the budgeted time.
+
+Reported per arm: time to GRPO's final held-out accuracy (median over seeds, min-max), final accuracy, and
+generated tokens per useful trained row (a kept row with non-zero advantage; screened-out rollouts count as
+generated). Targets (issue 18): the best composed arm reaches GRPO's final accuracy in at most 0.5x GRPO's time at
+the median over seeds, ends no lower, and generates at most 0.5x GRPO's tokens per useful row. A missed target is
+printed as missed, with its numbers.
+
+    python bench/time_to_accuracy.py --budget 900 --seeds 1 2 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from harness import add_common, engine, table, write_section
+
+CPPO = ["pruner=topk", "pruner.rate=0.75", "allocator=dynamic"]
+ARMS = {
+    "grpo": ["pruner=none", "allocator=static"],
+    "dapo": ["algo=dapo", "pruner=none", "allocator=static", "allocator.max_rounds=3"],
+    "cppo": CPPO,
+    "screen": ["selector=screen", "pruner=none", "allocator=dynamic"],
+    "screen+cppo": ["selector=screen", *CPPO],
+    "greso+cppo": ["selector=greso", *CPPO],
+    "mopps+cppo": ["selector=mopps", *CPPO],
+}
+COMPOSED = ("screen+cppo", "greso+cppo", "mopps+cppo")
+
+
+def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
+    common = [f"model.path={args.model}", "task=arith", "task.digits=2", f"task.train_size={args.pool}",
+              "algo=grpo", f"seed={seed}", f"train.steps={args.max_steps}",
+              f"train.questions_per_step={args.questions}",
+              f"train.max_completion_length={args.max_new}", f"optim.lr={args.lr}", "optim.schedule=constant",
+              "optim.warmup_ratio=0", f"eval.limit={args.eval_limit}", f"eval.max_new_tokens={args.max_new}", *args.set]
+    arms = {name: engine(*common, *ARMS[name]) for name in args.arms}
+    marks = [args.budget * f for f in args.eval_at]
+    start_acc = next(iter(arms.values())).evaluate("t")["eval/t/accuracy"]  # every arm starts from these weights
+    state = {name: {"seconds": 0.0, "steps": 0, "tokens": 0.0, "useful": 0.0, "curve": [(0.0, start_acc)],
+                    "next_mark": 0} for name in arms}
+    while True:
+        active = [n for n in arms if state[n]["seconds"] < args.budget and state[n]["steps"] < args.max_steps]
+        if not active:
+            break
+        name = min(active, key=lambda n: state[n]["seconds"])
+        s, eng = state[name], arms[name]
+        metrics = eng.step()
+        s["seconds"] += metrics["time/step"]
+        s["steps"] += 1
+        s["tokens"] += metrics["tokens/generated"]
+        ratio = metrics.get("tokens/generated_per_useful_row")
+        s["useful"] += metrics["tokens/generated"] / ratio if ratio else 0.0
+        while s["next_mark"] < len(marks) and s["seconds"] >= marks[s["next_mark"]]:
+            s["curve"].append((s["seconds"], eng.evaluate("t")["eval/t/accuracy"]))
+            s["next_mark"] += 1
+        print(f"seed {seed} {name}: {s['seconds']:.0f}s step {s['steps']} reward {metrics['reward/mean']:.3f}",
+              flush=True)
+    for name, s in state.items():  # an arm stopped by max_steps before its last mark is evaluated at its end
+        if s["next_mark"] < len(marks):
+            s["curve"].append((s["seconds"], arms[name].evaluate("t")["eval/t/accuracy"]))
+    return state
+
+
+def summarise(results: dict[int, dict[str, dict]], arms: list[str]) -> tuple[list[list], dict[str, dict]]:
+    """Per arm over seeds: time to GRPO's final accuracy as a fraction of GRPO's time, final accuracy, and
+    generated tokens per useful row relative to GRPO's (each seed paired with its own GRPO run)."""
+    out: dict[str, dict] = {}
+    for name in arms:
+        times, finals, per_row = [], [], []
+        for state in results.values():
+            grpo, arm = state["grpo"], state[name]
+            target = grpo["curve"][-1][1]
+            reached = next((t for t, a in arm["curve"][1:] if a >= target), None)
+            times.append(None if reached is None else reached / grpo["seconds"])
+            finals.append(arm["curve"][-1][1] - target)
+            ratio = (arm["tokens"] / arm["useful"]) / (grpo["tokens"] / grpo["useful"]) \
+                if arm["useful"] and grpo["useful"] else float("nan")
+            per_row.append(ratio)
+        out[name] = {"times": times, "finals": finals, "per_row": per_row}
+    rows = [[name, _spread(v["times"]), _spread(v["finals"], signed=True), _spread(v["per_row"])]
+            for name, v in out.items()]
+    return rows, out
+
+
+def _spread(values: list[float | None], signed: bool = False) -> str:
+    """Median (min-max) over seeds; a seed that never reached the target counts as infinitely slow."""
+    shown = [float("inf") if v is None else v for v in values]
+    fmt = "{:+.3f}" if signed else "{:.2f}"
+    med = statistics.median(shown)
+    text = fmt.format(med) if med != float("inf") else "not reached"
+    if len(shown) > 1:
+        text += " (" + "-".join("never" if v == float("inf") else fmt.format(v) for v in (min(shown), max(shown))) + ")"
+    return text
+
+
+def verdict(summary: dict[str, dict]) -> list[str]:
+    lines = []
+    for name in [n for n in COMPOSED if n in summary]:
+        v = summary[name]
+        times = [float("inf") if t is None else t for t in v["times"]]
+        med_t, med_final, med_row = (statistics.median(times), statistics.median(v["finals"]),
+                                     statistics.median(v["per_row"]))
+        met = med_t <= 0.5 and med_final >= 0 and med_row <= 0.5
+        lines.append(f"{name}: time {med_t:.2f}x GRPO's (target <= 0.5), final accuracy {med_final:+.3f} vs GRPO "
+                     f"(target >= 0), tokens per useful row {med_row:.2f}x (target <= 0.5): "
+                     + ("target met" if met else "target MISSED"))
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--budget", type=float, default=900, help="training seconds per arm (summed step time)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--pool", type=int, default=256, help="task.train_size: the fixed pool of training questions")
+    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--eval-limit", type=int, default=64)
+    p.add_argument("--eval-at", type=float, nargs="+", default=[0.2, 0.4, 0.6, 0.8, 1.0],
+                   help="fractions of the budget")
+    p.add_argument("--max-steps", type=int, default=10_000)
+    add_common(p)
+    args = p.parse_args()
+    if "grpo" not in args.arms:
+        p.error("--arms must include grpo: every arm is measured against it")
+
+    results = {seed: run_seed(args, seed) for seed in args.seeds}
+    rows, summary = summarise(results, args.arms)
+    body = table(["arm", "time to GRPO's final accuracy / GRPO's time", "final accuracy - GRPO's",
+                  "generated tokens per useful row / GRPO's"], rows)
+    curves = [[seed, name, s["steps"], " ".join(f"{t:.0f}s:{a:.3f}" for t, a in s["curve"])]
+              for seed, state in results.items() for name, s in state.items()]
+    body += "\n\n" + table(["seed", "arm", "steps", "held-out accuracy (time:acc)"], curves)
+    body += "\n\n" + "\n".join(f"- {v}" for v in verdict(summary))
+    print(body)
+    note = (f"\n\nSizes: {args.model}, two-digit arith from a pool of {args.pool} train questions, B={args.questions}, "
+            f"G=8, at most {args.max_new} new tokens, lr {args.lr} constant, budget {args.budget:.0f} s of training "
+            f"per arm, seeds {args.seeds}; held-out accuracy is greedy on the first {args.eval_limit} validation "
+            f"questions at {args.eval_at} of the budget (an arm is seen to reach the target only at those marks).")
+    write_section("time_to_accuracy", "Time to accuracy: selection before generation composed with CPPO",
+                  body + note, args)
+
+
+if __name__ == "__main__":
+    main()

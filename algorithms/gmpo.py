@@ -45,7 +45,9 @@ class GMPO:
     def __init__(self, cfg: GMPOConfig, mu: int = 1, max_completion_length: int | None = None) -> None:
         if mu < 1:
             raise UserError(f"train.mu (policy updates per generation) must be >= 1, got {mu}.")
-        ops.check_clip_range(cfg.epsilon_low, cfg.epsilon_high)
+        for key in ("epsilon_low", "epsilon_high"):  # log-space bounds: any eps >= 0 is a valid range
+            if not getattr(cfg, key) >= 0:
+                raise UserError(f"algo.{key} (a bound on the log ratio) must be >= 0, got {getattr(cfg, key)}.")
         self.cfg = cfg
         self.policy_loss = ops.PolicyLoss.with_surrogate(self.surrogate, cfg)
         self.needs_ref_logprobs = cfg.beta > 0

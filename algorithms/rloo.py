@@ -7,7 +7,8 @@ What changes relative to GRPO: the baseline, and the completion as one action.
 - the whole completion is one action: one ratio per sequence, pi(y) / pi_old(y) (the product of its token
   ratios), clipped to [1 - 0.2, 1 + 0.2], one term per sequence, averaged over sequences. On-policy (mu = 1) the
   gradient is the paper's A_i * grad log pi(y_i) (a token sum, not GRPO's token mean). This is TRL's RLOOTrainer
-  loss; verl's `rloo` is an advantage estimator only, used with its token-level PPO loss.
+  loss; verl's `rloo` is an advantage estimator only, used with its token-level PPO loss. With mu > 1 a long
+  completion's ratio leaves the clip range after small per-token changes, as in TRL; with mu = 1 it is exactly 1.
 No KL term by default. The paper and TRL (beta 0.05) subtract a k1 KL from the reward; gpo's `beta` is a KL term
 in the loss, as in GRPO, averaged per sequence.
 """

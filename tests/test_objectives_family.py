@@ -10,6 +10,7 @@ global batch counts and `masked_whiten`), independently of gpo/ops.py.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -44,6 +45,21 @@ def test_registered_with_a_paper_in_the_summary_and_the_full_interface():
             assert callable(getattr(objective, method)), (name, method)
         assert not objective.needs_ref_logprobs and not objective.needs_old_logprobs
         assert build(name, mu=2).needs_old_logprobs and build(name, beta=0.01).needs_ref_logprobs
+
+
+def test_gpo_list_algo_shows_each_ones_paper_and_defaults(capsys):
+    from gpo import cli
+
+    assert cli.main(["list", "algo"]) == 0
+    out = capsys.readouterr().out
+    papers = {"gspo": "2507.18071", "cispo": "2506.13585", "sapo": "2511.20347", "gmpo": "2507.20673",
+              "rloo": "2402.14740", "reinforce_pp": "2501.03262"}
+    parts = re.split(r"^  (\w+) +", out, flags=re.M)  # [head, name1, block1, name2, block2, ...]
+    blocks = dict(zip(parts[1::2], parts[2::2], strict=True))
+    for name, arxiv in papers.items():
+        assert arxiv in blocks[name], (name, blocks.get(name))
+        for key, value in registry.get("algo", name).defaults().items():
+            assert f"      {key} = {value!r}" in blocks[name], (name, key)
 
 
 def test_paper_defaults():

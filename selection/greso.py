@@ -4,18 +4,24 @@ Relative to GRPO: a question whose groups had zero reward variance the last z ti
 past epochs of a finite pool) is skipped with probability 1 - max(p^z, p_min), so questions that keep giving
 all-right (easy) or all-wrong (hard) groups stop costing rollouts, while every one keeps a chance to come back.
 Easy and hard streaks have their own base probability p_easy / p_hard, adapted after every round: when the
-zero-variance share of that kind among the groups just generated is above its target, p drops by `adjust_step`
+zero-variance share of that kind among the groups just generated is at or above its target, p drops by `adjust_step`
 (skip more), otherwise it rises, within [p_low, p_high]. Paper settings: p starts at 0.5, steps of 0.01 within
 [0.05, 0.95], a total target zero-variance share of 0.25.
 
+The released code (Infini-AI-Lab/GRESO, verl/trainer/ppo/ray_trainer.py) splits the 0.25 target into 1/3 for easy
+and 2/3 for hard groups ("more exploration on hard examples"), and moves p down when a kind's share is at or above
+its target; gpo does the same (`easy_share` = 1/3, `>=`).
+
 Where gpo differs, and why:
-- How the 0.25 target splits between easy and hard is a parameter here (`easy_share`, default 1/3 easy, 2/3
-  hard); the released code was not checked for this split in writing this file, so treat the default as gpo's.
+- The released code adapts p only from the second epoch on, over the groups of a whole (accumulated) step; gpo
+  adapts after every round from the first, because a selector does not see epochs and a round is the unit in
+  which it observes outcomes. Its skip rule itself lives in a file (presampling_selector.py) that could not be
+  read for this port; the rule here is the issue's statement of the paper's, max(p^z, p_min).
 - `p_min` (default 0.01) floors the chance to draw a question again at any streak, so no question is dropped
   for good on a finite pool; the paper's p^z alone tends to 0.
 - Decisions are drawn from a generator seeded by (run seed, step, round), not a global RNG, so every rank and
   every resumed run skips the same questions.
-- The allocator, not a larger rollout batch, makes up for what is skipped (see `expected_pass_fraction`).
+- The allocator, not an accumulated sampling batch, makes up for what is skipped (`expected_pass_fraction`).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ class GresoConfig:
     p_low: float = 0.05  # paper: p stays within [0.05, 0.95]
     p_high: float = 0.95
     target: float = 0.25  # target zero-variance share among generated groups (paper)
-    easy_share: float = 1 / 3  # part of `target` allotted to easy (all-right) groups; the rest to hard ones
+    easy_share: float = 1 / 3  # part of `target` allotted to easy (all-right) groups, the rest to hard (released code)
     p_min: float = 0.01  # floor of the probability to draw a question at any streak (gpo)
     tolerance: float = 1e-6  # rewards within this spread count as equal
     success_threshold: float = 0.5  # a completion with total reward >= this is right (easy vs hard streaks)
@@ -94,7 +100,7 @@ class Greso:
             return
         targets = {"easy": C.target * C.easy_share, "hard": C.target * (1 - C.easy_share)}
         for kind, count in seen.items():
-            move = -C.adjust_step if count / len(generated) > targets[kind] else C.adjust_step
+            move = -C.adjust_step if count / len(generated) >= targets[kind] else C.adjust_step
             self.p[kind] = min(max(self.p[kind] + move, C.p_low), C.p_high)
 
     def expected_pass_fraction(self) -> float | None:

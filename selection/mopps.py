@@ -6,13 +6,17 @@ Before generation a success rate is Thompson-sampled for each candidate, and onl
 `target` (0.5: the questions whose groups are most likely mixed, hence carry advantage) get rollouts: the
 `keep_fraction` nearest, or, with `band: [low, high]`, every candidate whose sample lies in the band.
 
+The released code (thu-rllab/MoPPS, recipe/ours/our_ray_trainer.py) draws a candidate batch `ts_ratio` times the
+training batch and keeps a training batch of it (here keep_fraction = 1 / ts_ratio), and scores each query by its
+mean accuracy with a response counting as right at accuracy >= 1. Its posterior sampler (recipe/ours/mpts_llm.py)
+was not in the index read for this port, so the update and `decay` below follow the paper's description.
+
 Where gpo differs, and why:
-- The candidate set is what the allocator draws this round (it draws 1/keep_fraction times as many), instead of a
-  fixed larger pre-sampled batch, so the step still fills its B*G slots whatever the fraction.
+- The candidate set is what the allocator draws this round (it draws 1/keep_fraction times as many, through the
+  pass estimate), so the step still fills its B*G slots whatever the fraction.
 - A completion counts as a success when its total reward is >= `success_threshold` (0.5 reads the built-in tasks'
   accuracy-plus-small-format-bonus rewards right); MoPPS works with binary verifier rewards only.
-- `decay` (default 1.0, no forgetting) is exposed because the policy moves; the released code's value was not
-  checked in writing this file.
+- `decay` (default 1.0, no forgetting) is exposed because the policy moves.
 - Thompson draws come from a generator seeded by (run seed, step, round): every rank and every resume agree.
 """
 

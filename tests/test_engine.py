@@ -109,7 +109,11 @@ def test_fused_adamw_is_the_default_and_trains_like_the_per_tensor_loop(tiny_mod
 
 
 def test_shared_prompt_steps_train_like_full_passes(tiny_model_path, tmp_path):
-    """Two GRPO steps with mu=2 (old-policy pass), beta>0 (reference pass): the same weights either way."""
+    """Two GRPO steps with mu=2 (old-policy pass), beta>0 (reference pass): the same losses, gradients and weights.
+
+    Step by step, since AdamW divides by sqrt(v): where v is tiny, rounding-level gradient differences become
+    visible update differences, and a second step on those weights amplifies them further (2e-5 seen after two).
+    """
     from gpo.engine import Engine
 
     extra = ("pruner=none", "allocator=static", "train.mu=2", "algo.beta=0.04")
@@ -117,14 +121,16 @@ def test_shared_prompt_steps_train_like_full_passes(tiny_model_path, tmp_path):
     full = Engine(tiny_config(tiny_model_path, tmp_path / "b", *extra, "train.share_prompt=false"))
     assert shared.module.share_prompt and shared.ref.share_prompt and not full.module.share_prompt
     start = [p.detach().clone() for p in shared.policy.parameters()]
-    for engine in (shared, full):
-        for _ in range(2):
-            metrics = engine.step()
+    for step in range(2):
+        a, b = shared.step(), full.step()
+        for key in ("loss/total", "train/grad_norm", "kl/mean", "tokens/trained"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (step, key)
+        gap = max((x.detach() - y.detach()).abs().max().item()
+                  for x, y in zip(shared.policy.parameters(), full.policy.parameters()))
+        assert gap < (1e-5 if step == 0 else 1e-4), (step, gap)
     moved = max((p.detach() - s).abs().max().item() for p, s in zip(shared.policy.parameters(), start))
-    gap = max((a.detach() - b.detach()).abs().max().item()
-              for a, b in zip(shared.policy.parameters(), full.policy.parameters()))
-    assert moved > 1e-3 and gap < 1e-5, (moved, gap)
-    assert metrics["kl/mean"] > 0  # the reference pass ran and the policy has moved away from it
+    assert moved > 1e-3
+    assert a["kl/mean"] > 0  # the reference pass ran and the policy has moved away from it
 
 
 def test_lora_trains_only_the_adapter_and_saves_a_merged_model(tiny_model_path, tmp_path):

@@ -187,11 +187,12 @@ def compose(args: list[str] = (), config_files: list[str | Path] = ()) -> DictCo
     for layer in layers:
         choices.update(layer.pop("defaults", None) or {})
     choices.update(picks)
+    auto_note = None
     if choices.get("backend") == AUTO_BACKEND:
         from gpo.backends import pick_auto
 
         choices["backend"], why = pick_auto()
-        _say_once(f"backend=auto picked `{choices['backend']}`: {why}.")
+        auto_note = f"backend=auto picked `{choices['backend']}`: {why}."
     try:
         override_layer = OmegaConf.from_dotlist(overrides)
     except Exception as exc:
@@ -203,8 +204,10 @@ def compose(args: list[str] = (), config_files: list[str | Path] = ()) -> DictCo
     registry.load_plugins(_as_list(prelim.get("plugins")))
 
     picked = OmegaConf.create({group: _group_node(group, name) for group, name in choices.items()})
-    cfg = OmegaConf.merge(base, picked, *layers, override_layer)
-    return validate(cfg)
+    cfg = validate(OmegaConf.merge(base, picked, *layers, override_layer))
+    if auto_note:  # only for a valid config: an error message stays the one line it is
+        _say_once(auto_note)
+    return cfg
 
 
 def validate(cfg: DictConfig) -> DictConfig:

@@ -137,7 +137,7 @@ def test_a_missing_config_file_exits_2(tmp_path, capsys):
 
 def test_list_of_an_unknown_kind_exits_2(capsys):
     assert cli.main(["list", "prunr"]) == 2
-    assert "unknown kind `prunr`; kinds are algo, pruner" in capsys.readouterr().err
+    assert "unknown kind `prunr`; kinds are algo, selector, pruner" in capsys.readouterr().err
 
 
 def test_list_takes_a_plugins_override_without_a_kind(tmp_path, monkeypatch, capsys, fresh_registry):

@@ -133,6 +133,7 @@ def selection_metrics(total: RoundLedger, group_size: int, useful_rows: int) -> 
         "select/zero_var_after": total.zero_var_groups / total.groups if total.groups else 0.0,
         "tokens/generated": float(total.tokens),
     }
+    out["select/useful_rows"] = float(useful_rows)  # summed over steps by the study table
     if useful_rows:  # a step that trained on no row with signal has no such ratio (no inf in the tracker)
         out["tokens/generated_per_useful_row"] = total.tokens / useful_rows
     return out

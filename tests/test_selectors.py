@@ -223,3 +223,22 @@ def test_arith_trains_on_a_fixed_pool_of_train_size_questions():
     assert sorted(e["question"] for e in two_epochs[8:]) == sorted(e["question"] for e in pool)
     with pytest.raises(UserError, match="train_size"):
         registry.get("task", "arith").build({"train_size": 0})
+
+
+def test_study_table_sums_selection_over_steps():
+    from gpo.study.store import RunRecord
+    from gpo.study.tables import _selection_columns
+
+    def steps(*values):
+        return [(i + 1, float(v)) for i, v in enumerate(values)]
+
+    history = {"select/considered": steps(8, 8), "select/skipped": steps(2, 0), "select/screened_out": steps(1, 3),
+               "select/completions": steps(30, 40), "select/completions_baseline": steps(64, 64),
+               "select/useful_rows": steps(10, 6), "tokens/generated": steps(300, 500)}
+    record = RunRecord(run_id="r", name="r", combination="", group="g", status="FINISHED", error="", baseline=False,
+                       metrics={}, history=history, params={})
+    assert _selection_columns(record) == {"questions_dropped_frac": 6 / 16, "completions_frac": 70 / 128,
+                                          "tokens_per_useful_row": 800 / 16}
+    plain = RunRecord(run_id="p", name="p", combination="", group="g", status="FINISHED", error="", baseline=False,
+                      metrics={}, history={}, params={})
+    assert set(_selection_columns(plain).values()) == {None}

@@ -24,7 +24,9 @@ TAG_ERROR = "gpo_study_error"
 PEAK_RSS = "study/peak_rss_mb"
 PEAK_GPU = "study/peak_gpu_mb"
 
-STEP_METRICS = ("reward/mean", "time/step", "tokens/generated", "tokens/trained", "prune/kept_frac")
+STEP_METRICS = ("reward/mean", "time/step", "tokens/generated", "tokens/trained", "prune/kept_frac",
+                "select/considered", "select/skipped", "select/screened_out", "select/completions",
+                "select/completions_baseline", "select/useful_rows")  # what a selector saved (gpo/rollout_phases.py)
 # Logged config values the tables read (the whole config is logged as params by the engine).
 PARAMS = ("seed", "pruner.name", "pruner.rate", "pruner.keep", "train.group_size", "eval.split", "task.name")
 

@@ -21,12 +21,13 @@ from gpo.study.stats import (Interval, difference_interval, mean_interval, paire
 from gpo.study.store import PEAK_GPU, PEAK_RSS, RunRecord
 
 RUN_COLUMNS = ["run", "combination", "group", "seed", "baseline", "status", "error", "acc_before", "acc_after", "final_reward",
-               "train_s", "speedup", "kept_frac", "tokens_generated", "tokens_trained", "peak_rss_mb", "peak_gpu_mb",
-               "wall_s", "run_id"]
+               "train_s", "speedup", "kept_frac", "tokens_generated", "tokens_trained", "questions_dropped_frac",
+               "completions_frac", "tokens_per_useful_row", "peak_rss_mb", "peak_gpu_mb", "wall_s", "run_id"]
 # Final evaluation metrics beyond eval/after/accuracy: sampled-evaluation scores and further tasks (eval.tasks).
 EXTRA_EVAL = re.compile(r"eval/after/(?:(?P<task>[\w.-]+)/)?(?P<metric>accuracy|(?:pass|avg|maj)_at_\d+)")
 FORMATS = {"acc_before": "{:.3f}", "acc_after": "{:.3f}", "final_reward": "{:.3f}", "train_s": "{:.1f}",
            "speedup": "{:.2f}x", "kept_frac": "{:.3f}", "tokens_generated": "{:.0f}", "tokens_trained": "{:.0f}",
+           "questions_dropped_frac": "{:.3f}", "completions_frac": "{:.3f}", "tokens_per_useful_row": "{:.1f}",
            "peak_rss_mb": "{:.0f}", "peak_gpu_mb": "{:.0f}", "wall_s": "{:.1f}"}
 
 
@@ -57,6 +58,22 @@ def run_columns(records: Sequence[RunRecord]) -> list[str]:
     return RUN_COLUMNS[:at] + extra_eval_columns(records) + RUN_COLUMNS[at:]
 
 
+def _selection_columns(r: RunRecord) -> dict[str, float | None]:
+    """Over the run's steps: the share of questions considered that never reached a whole group (skipped or
+    screened out by the selector), completions generated / the G-per-question baseline, and generated tokens per
+    trained row with non-zero advantage. None for runs that logged no selection metrics."""
+    total = {k: sum(v for _, v in r.history.get(f"select/{k}", [])) for k in
+             ("considered", "skipped", "screened_out", "completions", "completions_baseline", "useful_rows")}
+    generated = sum(v for _, v in r.history.get("tokens/generated", []))
+    return {
+        "questions_dropped_frac": (total["skipped"] + total["screened_out"]) / total["considered"]
+        if total["considered"] else None,
+        "completions_frac": total["completions"] / total["completions_baseline"]
+        if total["completions_baseline"] else None,
+        "tokens_per_useful_row": generated / total["useful_rows"] if total["useful_rows"] else None,
+    }
+
+
 def table(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     """One row per run, in the order given; each speed-up is against the baseline run with the same seed (the
     first baseline run when none shares it). Baseline runs are the tagged ones, else the first run's group."""
@@ -83,6 +100,7 @@ def table(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "kept_frac": sum(kept) / len(kept) if kept else None,
             "tokens_generated": sum(v for _, v in r.history["tokens/generated"]) if times else None,
             "tokens_trained": sum(v for _, v in r.history["tokens/trained"]) if times else None,
+            **_selection_columns(r),
             "peak_rss_mb": r.metrics.get(PEAK_RSS),
             "peak_gpu_mb": r.metrics.get(PEAK_GPU),
             "wall_s": r.metrics.get("train/seconds"),  # the whole run: evaluation before and after, saving

@@ -1,0 +1,34 @@
+"""Two real ranks (gloo) train exactly what one process trains, for objectives whose maths spans more than a token:
+REINFORCE++'s advantages are whitened over the whole gathered batch (a per-rank whitening would give other
+weights), and RLOO's / GSPO's one ratio per completion with mu = 2 uses old log-probs of whole rows on each rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_multiprocess import COMMON, finish, records, start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["algo=reinforce_pp"], ["algo=rloo", "train.mu=2"], ["algo=gspo", "train.mu=2"]],
+                         ids=["reinforce_pp", "rloo-mu2", "gspo-mu2"])
+def test_two_ranks_train_what_one_process_trains(tiny_model_path, tmp_path, extra):
+    common = [a for a in COMMON if not a.startswith("algo=")] + extra
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=none", *common]
+    one = start([*base, "run_name=one"], tmp_path / "one.jsonl")
+    two = start([*base, "run_name=two", "engine=ddp", "engine.num_processes=2"], tmp_path / "two.jsonl")
+    finish(one)
+    assert "launching 2 processes" in finish(two)
+    initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    p1 = load_file(str(tmp_path / "one/final/model.safetensors"))
+    p2 = load_file(str(tmp_path / "two/final/model.safetensors"))
+    for name in p1:
+        torch.testing.assert_close(p2[name], p1[name], atol=1e-5, rtol=0, msg=name)
+    assert max(float((p1[n] - initial[n]).abs().max()) for n in p1) > 1e-4  # the step did move the weights
+    (single,) = [r["metrics"] for r in records(tmp_path / "one.jsonl", "step")]
+    for rank_metrics in (r["metrics"] for r in records(tmp_path / "two.jsonl", "step")):
+        for key in ("loss/total", "loss/policy", "adv/std", "adv/abs_mean"):
+            assert rank_metrics[key] == pytest.approx(single[key], abs=1e-5), key

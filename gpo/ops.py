@@ -128,6 +128,9 @@ def advantage_metrics(rewards: Tensor, advantages: Tensor) -> dict[str, float]:
 
 
 class Surrogate(NamedTuple):
+    """Per-token terms of a policy loss. The flags are PPO's clip's, as written here; the other surrogates below
+    say in their docstrings what their flags mark."""
+
     loss: Tensor  # [n, L] per-token policy loss (to be minimised)
     ratio: Tensor  # [n, L] pi / pi_old
     low_clipped: Tensor  # bool [n, L]: A < 0 and ratio < 1 - eps_low (no gradient flows)

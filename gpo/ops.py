@@ -18,6 +18,8 @@ Conventions that differ between peers and are chosen here on purpose (tested in 
   That agrees with this only when every micro-batch holds the same number of tokens.
 - constant normaliser (Dr.GRPO): sum / (totals.sequences * normaliser). TRL's `dr_grpo` divides by
   (micro-batch rows * max_completion_length), which agrees when all micro-batches have the same number of rows.
+- batch whitening (REINFORCE++): over the B*G sequences. verl's `masked_whiten` runs over tokens, so a sequence
+  weighs as many times as it has tokens (tests/test_objectives_family.py).
 """
 
 from __future__ import annotations

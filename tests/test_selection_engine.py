@@ -105,3 +105,18 @@ def test_every_selector_composes_with_algos_pruners_allocators(selector, algo, p
         assert all(isinstance(v, float) and not math.isinf(v) for k, v in m.items() if k.startswith("select/"))
     state = e.selector.state_dict()
     assert state == e.selector.state_dict() and torch.isfinite(torch.tensor(m["select/completions_frac"]))
+
+
+def test_dapo_dynamic_sampling_finds_zero_variance_groups_after_n_screen_rollouts(tiny_model_path, tmp_path):
+    runs = {}
+    for selector in ("none", "screen"):
+        e = engine(tiny_model_path, tmp_path / selector, f"selector={selector}", "selector.n_screen=2" if selector
+                   == "screen" else "seed=42", "algo=dapo", "pruner=none", "allocator=static",
+                   "allocator.max_rounds=1", "train.questions_per_step=12")
+        runs[selector] = e.step()
+    plain, screened = runs["none"], runs["screen"]
+    # Without screening DAPO generates all 12 x 4 and then drops the (at least 8) foreseeable groups; with it those
+    # cost 2 rollouts each and every whole group that reaches DAPO has signal, so its filter drops none.
+    assert plain["select/completions"] == 48 and plain["filter/kept_groups_frac"] <= 4 / 12
+    assert screened["select/completions"] <= 12 * 2 + 4 * 2
+    assert screened["filter/kept_groups_frac"] == 1.0

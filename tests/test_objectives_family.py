@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from test_algorithms import REWARDS, build
+from test_algorithms import REWARDS, assert_micro_batches_sum_to_the_step, build
 from test_ops import LN2, micro_batch
 
 from gpo import registry
@@ -351,30 +351,8 @@ def test_losses_and_gradients_match_verl(case, ranks, micro_batches):
 
 @pytest.mark.parametrize("name", NEW)
 def test_micro_batches_sum_to_the_step_loss_and_metrics(name):
-    gen = torch.Generator().manual_seed(5)
-    n, length = 6, 5
-    mask = (torch.arange(length) < torch.tensor([5, 1, 2, 5, 3, 4]).unsqueeze(1)).long()  # [N, L]
-    old = -torch.rand(n, length, generator=gen, dtype=torch.float64)
-    logp = old + 0.3 * torch.randn(n, length, generator=gen, dtype=torch.float64)
-    batch = micro_batch(torch.randn(n, generator=gen, dtype=torch.float64), mask, old_logprobs=old,
-                        ref_logprobs=old.flip(1))
-    objective = build(name, mu=2, beta=0.05)
-    totals = StepTotals(sequences=n, tokens=int(objective.loss_mask(batch).sum()))
-    whole, whole_m = objective.loss(logp, batch, totals)
-    parts = []
-    for rows in (torch.arange(0, 2), torch.arange(2, 3), torch.arange(3, 6)):
-        mb = batch.select(rows)  # re-trims padding to the micro-batch's longest row, as the engine does
-        parts.append(objective.loss(logp[rows, : mb.completion_mask.shape[1]], mb, totals))
-    assert sum(p[0] for p in parts).item() == pytest.approx(whole.item(), abs=1e-12)
+    whole_m = assert_micro_batches_sum_to_the_step(build(name, mu=2, beta=0.05), seed=5)
     assert whole_m["loss/kl"].item() > 0
-    for key, value in whole_m.items():
-        if key.endswith("_min"):
-            reduced = min(p[1][key] for p in parts)
-        elif key.endswith("_max"):
-            reduced = max(p[1][key] for p in parts)
-        else:
-            reduced = sum(p[1][key] for p in parts)
-        assert reduced.item() == pytest.approx(value.item(), abs=1e-12), key
 
 
 @pytest.mark.parametrize("name", NEW)

@@ -61,7 +61,7 @@ class Engine:
         ))
         self.run_dir = Path(cfg.output_dir) / self.run_name
 
-        self.objective = self._build("algo", mu=T.mu, max_completion_length=T.max_completion_length)
+        self.objective = self._build("algo", max_completion_length=T.max_completion_length)
         self.selector = self._build("selector")
         self.pruner = self._build("pruner")
         self.allocator = self._build("allocator")
@@ -201,7 +201,7 @@ class Engine:
 
     def _fill_logprobs(self, kept: RolloutBatch) -> None:
         T = self.train_cfg
-        if self.objective.needs_old_logprobs:
+        if T.mu > 1:  # one pass over the batch: the old policy is the current one, detached inside the loss
             kept.old_logprobs = batch_logprobs(self.module, kept.to(self.accelerator.device), T.micro_batch_size,
                                                T.temperature)
         if self.ref is not None:

@@ -33,15 +33,32 @@ def _run(cmd: list, cwd: Path, env: dict | None = None) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """Build from a copy of the source tree, so the build leaves no build/ or egg-info in the repository."""
+def built(tmp_path_factory) -> tuple[Path, str]:
+    """Build from a copy of the source tree, so the build leaves no build/ or egg-info in the repository.
+
+    Verbose, so the log holds what setuptools printed (pip hides a build backend's output otherwise)."""
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"
     shutil.copytree(REPO, src, ignore=lambda d, names: [n for n in names if n in SKIP_DIRS or n.endswith(".egg-info")])
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "--wheel-dir",
-          root / "dist", src], cwd=root)
-    (built,) = (root / "dist").glob("gpo-*.whl")
-    return built
+    out = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--verbose",
+                "--wheel-dir", root / "dist", src], cwd=root)
+    (wheel_path,) = (root / "dist").glob("gpo-*.whl")
+    return wheel_path, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(built) -> Path:
+    return built[0]
+
+
+def test_build_declares_every_package_it_ships(built):
+    """Every folder setuptools sees as a package is declared (configs/<group>/ included), so installs stay quiet:
+    an undeclared one prints a "Package would be ignored" wall of text on every `pip install`."""
+    _, log = built
+    assert "running build_py" in log  # the log does hold setuptools' own output
+    assert "copying configs/algo/grpo.yaml" in log
+    assert "would be ignored" not in log
+    assert "absent from the `packages` configuration" not in log
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,10 @@ DeepSpeed ZeRO-2/3 lives here:
   anyway, so the reference stays a plain frozen model in eval mode on each rank's device.
 - A generator with its own copy of the weights (backend=vllm) is synced from full tensors: `full_parameters`
   gathers the partitioned policy collectively for the sync, as `gathered` does for generation.
+
+DeepSpeed is imported only where engine.deepspeed_stage > 0 needs it: importing it costs seconds and prints its
+accelerator warning (on CPU). Accelerate would otherwise import it in every single-process run that unwraps or
+saves a model (see `defer_deepspeed_import`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,9 +71,31 @@ def deepspeed_config(engine: EngineConfig, train: TrainConfig, optim: OptimConfi
     }
 
 
+def defer_deepspeed_import() -> None:
+    """Stop Accelerate importing DeepSpeed just to ask whether a model is wrapped in a DeepSpeedEngine.
+
+    `accelerate.utils.extract_model_from_parallel` (behind `Accelerator.unwrap_model` and transformers'
+    `save_pretrained`) imports `deepspeed` whenever it is installed, for an isinstance check. No object can be a
+    DeepSpeedEngine before `deepspeed` is imported, so asking `sys.modules` instead answers that check exactly,
+    and single-process runs never import it. Idempotent; once DeepSpeed is imported the check is Accelerate's own.
+    """
+    try:
+        from accelerate.utils import other
+    except ImportError:
+        return
+    if hasattr(other, "is_deepspeed_available"):  # a later Accelerate that no longer has it needs nothing here
+        other.is_deepspeed_available = _deepspeed_imported
+
+
+def _deepspeed_imported() -> bool:
+    return "deepspeed" in sys.modules
+
+
 def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConfig) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
+
+    defer_deepspeed_import()
 
     if engine.deepspeed_stage not in STAGES:
         raise UserError(f"engine.deepspeed_stage must be one of {', '.join(map(str, STAGES))}, "

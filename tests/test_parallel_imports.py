@@ -1,0 +1,66 @@
+"""A single-process run never imports DeepSpeed (seconds of import time and, on CPU, its accelerator warning).
+
+Each check runs in a fresh interpreter: this test process may have imported DeepSpeed for other tests already.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kit import REPO
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is not installed: nothing could import it")
+
+# A stage-0 accelerator, a prepared tiny model, unwrapped and saved as the engine's save_model does.
+SINGLE_PROCESS_SAVE = """
+import sys, tempfile
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+{setup}
+config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+model = LlamaForCausalLM(config)
+{prepare}
+with tempfile.TemporaryDirectory() as out:
+    model.save_pretrained(out)
+print("deepspeed" in sys.modules)
+"""
+
+GPO_ACCELERATOR = """
+from gpo.config import EngineConfig, OptimConfig, TrainConfig
+from gpo.parallel import build_accelerator
+accelerator = build_accelerator(EngineConfig(), TrainConfig(), OptimConfig())
+"""
+PREPARED = """
+prepared = accelerator.prepare(model)
+model = accelerator.unwrap_model(prepared)
+"""
+
+
+def _run(code: str) -> tuple[bool, str]:
+    """Whether `code` imported DeepSpeed, and what it printed to stderr."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return {"True": True, "False": False}[out.stdout.strip().splitlines()[-1]], out.stderr
+
+
+@needs_deepspeed
+def test_stage_zero_accelerator_unwrap_and_save_leave_deepspeed_unimported():
+    imported, stderr = _run(SINGLE_PROCESS_SAVE.format(setup=GPO_ACCELERATOR, prepare=PREPARED))
+    assert not imported
+    assert "real_accelerator.py" not in stderr  # DeepSpeed's "Setting accelerator to ..." line
+
+
+@needs_deepspeed
+def test_without_gpo_accelerate_imports_deepspeed_on_save():
+    """The control: Accelerate's own unwrap (inside save_pretrained) imports DeepSpeed whenever it is installed,
+    so the test above would see it if gpo.parallel did not defer it."""
+    imported, _ = _run(SINGLE_PROCESS_SAVE.format(setup="", prepare=""))
+    assert imported

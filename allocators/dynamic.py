@@ -26,14 +26,15 @@ from typing import Any
 
 from gpo.allocators.static import StepLedger, check_layout, whole_ranks
 from gpo.errors import UserError
-from gpo.pruners.topk import kept_per_group as kept_for_rate
+from gpo.quota import kept_per_group as kept_for_rate
 from gpo.registry import register
+from gpo.schema import PositiveInt, Rate
 
 
-@dataclass
+@dataclass(frozen=True)
 class DynamicConfig:
-    rate: float | None = None  # P; when set, k = G - round(G*P) replaces the pruner's estimate of kept per group
-    max_rounds: int = 3  # 1 = the paper (no refill); top-k without group filtering fills in round 1 anyway
+    rate: Rate | None = None  # P; when set, k = G - round(G*P) replaces the pruner's estimate of kept per group
+    max_rounds: PositiveInt = 3  # 1 = the paper (no refill); top-k without group filtering fills in round 1 anyway
     adapt: bool = True  # with no estimate (threshold pruner), size a step by the kept-per-question seen so far
 
 
@@ -42,10 +43,6 @@ class DynamicAllocator:
     """Draw ceil(B*G / k) questions so the k kept per question fill a GRPO step's B*G rows; refill what stays empty."""
 
     def __init__(self, cfg: DynamicConfig) -> None:
-        if cfg.max_rounds < 1:
-            raise UserError(f"allocator.max_rounds must be >= 1, got {cfg.max_rounds}.")
-        if cfg.rate is not None:
-            kept_for_rate(1 << 20, rate=cfg.rate)  # range check now, not at the first step
         self.cfg = cfg
         self.step = StepLedger()
         self.seen_kept = 0  # rows kept over all finished steps (filtering and pruning included)
@@ -53,7 +50,7 @@ class DynamicAllocator:
         self._step_open = False
 
     def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int) -> int:
-        check_layout(slots, group_size, world_size, self.cfg.max_rounds)
+        check_layout(slots, group_size, world_size)
         self._finish_step()
         k = self._kept_per_group(group_size, kept_per_group)
         if k is None and self.cfg.adapt and self.seen_kept > 0:

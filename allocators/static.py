@@ -8,17 +8,16 @@ from typing import Any
 
 from gpo.errors import UserError
 from gpo.registry import register
+from gpo.schema import PositiveInt
 
 
-@dataclass
+@dataclass(frozen=True)
 class StaticConfig:
-    max_rounds: int = 1  # > 1 lets group filtering (DAPO dynamic sampling) refill emptied slots
+    max_rounds: PositiveInt = 1  # > 1 lets group filtering (DAPO dynamic sampling) refill emptied slots
 
 
-def check_layout(slots: int, group_size: int, world_size: int, max_rounds: int) -> None:
-    """Checks every allocator needs before its first step."""
-    if max_rounds < 1:
-        raise UserError(f"allocator.max_rounds must be >= 1, got {max_rounds}.")
+def check_layout(slots: int, group_size: int, world_size: int) -> None:
+    """Checks of the step's layout every allocator needs before its first step (its own fields are typed)."""
     if slots < 1 or group_size < 1 or world_size < 1:
         raise UserError(f"allocator: slots ({slots}), group size ({group_size}) and world size ({world_size}) "
                         "must all be >= 1.")
@@ -73,13 +72,11 @@ class StaticAllocator:
     """Draw B = slots / G questions per step; optionally refill slots that group filtering emptied."""
 
     def __init__(self, cfg: StaticConfig) -> None:
-        if cfg.max_rounds < 1:
-            raise UserError(f"allocator.max_rounds must be >= 1, got {cfg.max_rounds}.")
         self.cfg = cfg
         self.step = StepLedger()
 
     def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int) -> int:
-        check_layout(slots, group_size, world_size, self.cfg.max_rounds)
+        check_layout(slots, group_size, world_size)
         questions = slots // group_size
         if questions * group_size != slots or questions % world_size:
             raise UserError(

@@ -1,9 +1,10 @@
 """Multi-rank helpers on torch.distributed (gloo or NCCL); each is a no-op when no process group is running.
 
 The engine's layout (DESIGN.md): every rank generates its share of a step's questions, `all_gather_batch` gives
-every rank the same full batch, pruners decide on it identically everywhere, `keep_divisible` rounds a varying kept
-count (threshold pruning) up to a multiple of the world size, and `shard` splits the kept rows evenly, so every
-rank trains on the same number of rows and `group`/`global` pruning ignores the world size.
+every rank the same full batch, pruners decide on it identically everywhere and round a varying kept count
+(threshold pruning) up to a multiple of the world size by their own score (`Pruner.keep(batch, multiple_of)`), and
+`shard` splits the kept rows evenly, so every rank trains on the same number of rows and `group`/`global` pruning
+ignores the world size.
 
 When a rank dies or hangs, the others fail in their next collective: at once when the dead peer's sockets close
 (gloo), or after engine.collective_timeout_s when it stops answering. `peer_failures_explained` turns that failure
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gpo.errors import UserError
+from gpo.pruners.ranking import top_up
 from gpo.types import RolloutBatch
 
 
@@ -160,18 +162,10 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
 
 
 def keep_divisible(score: Tensor, keep: Tensor, world_size: int) -> Tensor:
-    """`keep` plus just enough of the best-scoring rows it left out that the kept count splits evenly over the
-    ranks; unchanged on one process or when it already does. A pruner whose kept count varies (threshold) thus
-    trains the same number of rows on every rank. The batch is the gathered one, identical on every rank, and the
-    stable sort breaks ties by position, so every rank adds the same rows."""
-    short = -int(keep.sum()) % world_size
-    if short == 0:
-        return keep
-    left_out = torch.nonzero(~keep).flatten()  # [M]
-    best = left_out[torch.argsort(score[left_out], descending=True, stable=True)[:short]]
-    out = keep.clone()
-    out[best] = True
-    return out
+    """`keep` topped up by the best-`score` rows it left out to a multiple of the world size
+    (`gpo.pruners.ranking.top_up`). Kept for callers written before pruners topped up by their own score
+    (`Pruner.keep(batch, multiple_of=world_size)`); the engine no longer needs it once it calls that."""
+    return top_up(keep, score, world_size)
 
 
 def shard(kept: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:

@@ -202,8 +202,14 @@ class Objective(Protocol):
 class Pruner(Protocol):
     """pruner: which completions are worth a forward pass. Pure; never changes advantages."""
 
-    def keep(self, batch: RolloutBatch) -> Tensor:
-        """bool [N]."""
+    def keep(self, batch: RolloutBatch, multiple_of: int = 1) -> Tensor:
+        """bool [N], decided on the whole (gathered) step, identically on every rank.
+
+        The kept count is a multiple of `multiple_of` (the engine passes the world size, so every rank trains as
+        many rows): the pruner adds rows its rule left out by its own score (topk and threshold the largest |A|,
+        random its random priorities). When too few rows are left out for that (N itself is not a multiple) the
+        count stays uneven and the engine's shard() reports it.
+        """
 
     def expected_kept_per_group(self, group_size: int) -> float | None:
         """Completions kept per question on average, if known up front (used by the dynamic allocator)."""

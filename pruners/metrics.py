@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpo.pruners.topk import group_index
+from gpo.pruners.ranking import group_index
 from gpo.types import RolloutBatch
 
 

@@ -11,7 +11,7 @@ from gpo.registry import register
 from gpo.types import RolloutBatch
 
 
-@dataclass
+@dataclass(frozen=True)
 class NoneConfig:
     pass
 
@@ -23,7 +23,8 @@ class KeepAll:
     def __init__(self, cfg: NoneConfig) -> None:
         self.cfg = cfg
 
-    def keep(self, batch: RolloutBatch) -> Tensor:
+    def keep(self, batch: RolloutBatch, multiple_of: int = 1) -> Tensor:
+        """Every row. Nothing is left out, so nothing can be added: N rows split evenly only if N does."""
         return torch.ones(len(batch), dtype=torch.bool)  # [N]
 
     def expected_kept_per_group(self, group_size: int) -> float:

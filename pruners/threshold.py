@@ -3,7 +3,8 @@
 Relative to GRPO: completions whose |advantage| is below gamma get no forward pass at all; advantages of the kept
 rows are unchanged. The paper's released code only has top-k; this is the rule as the paper states it. The kept
 count varies from step to step, so the allocator cannot know it up front (it refills instead), and the optional
-`min_keep_per_group` floor keeps each question's largest-|A| rows so no group vanishes entirely.
+`min_keep_per_group` floor keeps each question's largest-|A| rows so no group vanishes entirely. On several ranks
+the kept count is topped up to a multiple of the world size with the largest |A| below gamma.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import torch
 from torch import Tensor
 
 from gpo.errors import UserError
-from gpo.pruners.topk import group_index, keep_top, row_keys
+from gpo.pruners.ranking import Seed, group_index, keep_top, row_keys, top_up
 from gpo.registry import register
+from gpo.schema import NonNegative, NonNegativeInt
 from gpo.types import RolloutBatch
 
 
-@dataclass
+@dataclass(frozen=True)
 class ThresholdConfig:
-    gamma: float = 0.5  # drop completions with |A| < gamma
-    min_keep_per_group: int = 0  # floor: keep at least this many largest-|A| rows of every group
-    seed: int = 0  # tie-break key for the floor among equal |A|
+    gamma: NonNegative = 0.5  # drop completions with |A| < gamma
+    min_keep_per_group: NonNegativeInt = 0  # floor: keep at least this many largest-|A| rows of every group
+    seed: Seed = 0  # tie-break key for the floor among equal |A|
 
 
 @register("pruner", "threshold", config=ThresholdConfig)
@@ -31,14 +33,14 @@ class ThresholdPruner:
     """Drop completions with |advantage| below gamma, keeping an optional floor per group."""
 
     def __init__(self, cfg: ThresholdConfig) -> None:
-        if cfg.gamma < 0:
-            raise UserError(f"pruner.gamma must be >= 0 (it bounds |A|), got {cfg.gamma}.")
-        if cfg.min_keep_per_group < 0:
-            raise UserError(f"pruner.min_keep_per_group must be >= 0, got {cfg.min_keep_per_group}.")
         self.cfg = cfg
 
-    def keep(self, batch: RolloutBatch) -> Tensor:
+    def keep(self, batch: RolloutBatch, multiple_of: int = 1) -> Tensor:
+        """|A| >= gamma, plus the floor; a top-up to a multiple of `multiple_of` takes the largest |A| left."""
         score = batch.advantages.abs().float().cpu()  # [N]
+        return top_up(self._rule(batch, score), score, multiple_of)
+
+    def _rule(self, batch: RolloutBatch, score: Tensor) -> Tensor:
         above = score >= self.cfg.gamma  # [N]
         if self.cfg.min_keep_per_group == 0:
             return above

@@ -34,19 +34,21 @@ from torch import Tensor
 
 from gpo.errors import UserError
 from gpo.registry import register
-from gpo.selectors.variance import PASS_ESTIMATE_FLOOR, no_variance, successes
+from gpo.schema import Fraction, NonNegative
+from gpo.selectors.variance import PASS_ESTIMATE_FLOOR, PositiveFraction, no_variance, successes
 
 
-@dataclass
+@dataclass(frozen=True)
 class GresoConfig:
-    p_start: float = 0.5  # initial p_easy and p_hard (paper)
-    adjust_step: float = 0.01  # paper
-    p_low: float = 0.05  # paper: p stays within [0.05, 0.95]
-    p_high: float = 0.95
-    target: float = 0.25  # target zero-variance share among generated groups (paper)
-    easy_share: float = 1 / 3  # part of `target` allotted to easy (all-right) groups, the rest to hard (released code)
-    p_min: float = 0.01  # floor of the probability to draw a question at any streak (gpo)
-    tolerance: float = 1e-6  # rewards within this spread count as equal
+    p_start: PositiveFraction = 0.5  # initial p_easy and p_hard (paper)
+    adjust_step: NonNegative = 0.01  # paper
+    p_low: PositiveFraction = 0.05  # paper: p stays within [0.05, 0.95]
+    p_high: PositiveFraction = 0.95
+    target: Fraction = 0.25  # target zero-variance share among generated groups (paper)
+    # part of `target` allotted to easy (all-right) groups, the rest to hard (released code)
+    easy_share: Fraction = 1 / 3
+    p_min: Fraction = 0.01  # floor of the probability to draw a question at any streak (gpo)
+    tolerance: NonNegative = 1e-6  # rewards within this spread count as equal
     success_threshold: float = 0.5  # a completion with total reward >= this is right (easy vs hard streaks)
 
 
@@ -55,13 +57,9 @@ class Greso:
     """GRESO: skip questions with a streak of zero-variance groups, with probability 1 - max(p^z, p_min)."""
 
     def __init__(self, cfg: GresoConfig) -> None:
-        if not 0 < cfg.p_low <= cfg.p_start <= cfg.p_high <= 1:
-            raise UserError(f"selector: need 0 < p_low <= p_start <= p_high <= 1, got {cfg.p_low}, "
-                            f"{cfg.p_start}, {cfg.p_high}.")
-        if not 0 <= cfg.target <= 1 or not 0 <= cfg.easy_share <= 1 or not 0 <= cfg.p_min <= 1:
-            raise UserError("selector.target, selector.easy_share and selector.p_min must lie in [0, 1].")
-        if cfg.adjust_step < 0 or cfg.tolerance < 0:
-            raise UserError("selector.adjust_step and selector.tolerance must be >= 0.")
+        if not cfg.p_low <= cfg.p_start <= cfg.p_high:  # each in (0, 1] by its type; their order is checked here
+            raise UserError(f"selector: need p_low <= p_start <= p_high, got {cfg.p_low}, {cfg.p_start}, "
+                            f"{cfg.p_high}.")
         self.cfg = cfg
         self.p = {"easy": cfg.p_start, "hard": cfg.p_start}
         self.streaks: dict[int, tuple[str, int]] = {}  # question -> (kind of its streak, length z)

@@ -32,17 +32,19 @@ from torch import Tensor
 
 from gpo.errors import UserError
 from gpo.registry import register
-from gpo.selectors.variance import PASS_ESTIMATE_FLOOR, successes
+from gpo.schema import Fraction, Positive
+from gpo.selectors.variance import PASS_ESTIMATE_FLOOR, PositiveFraction, successes
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoppsConfig:
-    target: float = 0.5  # the success rate a kept question is nearest to
-    keep_fraction: float = 0.5  # share of the candidates kept (ignored when `band` is set)
-    band: list[float] | None = None  # e.g. [0.3, 0.7]: keep every candidate whose sampled rate lies inside
-    prior_alpha: float = 1.0  # Beta(1, 1): uniform prior
-    prior_beta: float = 1.0
-    decay: float = 1.0  # old evidence is scaled by this before each update (1: none forgotten)
+    target: Fraction = 0.5  # the success rate a kept question is nearest to
+    keep_fraction: PositiveFraction = 0.5  # share of the candidates kept (ignored when `band` is set)
+    # e.g. [0.3, 0.7]: keep every candidate whose sampled rate lies inside
+    band: tuple[Fraction, Fraction] | None = None
+    prior_alpha: Positive = 1.0  # Beta(1, 1): uniform prior
+    prior_beta: Positive = 1.0
+    decay: PositiveFraction = 1.0  # old evidence is scaled by this before each update (1: none forgotten)
     success_threshold: float = 0.5
 
 
@@ -51,12 +53,8 @@ class Mopps:
     """MoPPS: Thompson-sample each question's Beta posterior; generate for those nearest a 0.5 success rate."""
 
     def __init__(self, cfg: MoppsConfig) -> None:
-        if not 0 < cfg.keep_fraction <= 1:
-            raise UserError(f"selector.keep_fraction must be in (0, 1], got {cfg.keep_fraction}.")
-        if cfg.band is not None and not (len(cfg.band) == 2 and 0 <= cfg.band[0] < cfg.band[1] <= 1):
-            raise UserError(f"selector.band must be [low, high] with 0 <= low < high <= 1, got {cfg.band}.")
-        if cfg.prior_alpha <= 0 or cfg.prior_beta <= 0 or not 0 < cfg.decay <= 1 or not 0 <= cfg.target <= 1:
-            raise UserError("selector: prior_alpha and prior_beta must be > 0, decay in (0, 1], target in [0, 1].")
+        if cfg.band is not None and not cfg.band[0] < cfg.band[1]:  # each end in [0, 1] by its type
+            raise UserError(f"selector.band must be [low, high] with low < high, got {list(cfg.band)}.")
         self.cfg = cfg
         self.posterior: dict[int, tuple[float, float]] = {}  # question -> (alpha, beta)
         self.kept_frac: float | None = cfg.keep_fraction if cfg.band is None else None

@@ -10,7 +10,7 @@ from torch import Tensor
 from gpo.registry import register
 
 
-@dataclass
+@dataclass(frozen=True)
 class NoneConfig:
     pass
 

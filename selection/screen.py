@@ -18,19 +18,20 @@ Where gpo differs, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from torch import Tensor
 
-from gpo.errors import UserError
 from gpo.registry import register
+from gpo.schema import Ge, NonNegative
 from gpo.selectors.variance import PASS_ESTIMATE_FLOOR, no_variance
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScreenConfig:
-    n_screen: int = 4  # completions per question in the screening phase (SPEED-RL: N_init = 4)
-    tolerance: float = 1e-6  # rewards within this spread count as equal (exact for binary rewards)
+    # completions per question in the screening phase (SPEED-RL: N_init = 4); one completion has no variance
+    n_screen: Annotated[int, Ge(2)] = 4
+    tolerance: NonNegative = 1e-6  # rewards within this spread count as equal (exact for binary rewards)
 
 
 @register("selector", "screen", config=ScreenConfig)
@@ -38,10 +39,6 @@ class Screen:
     """SPEED-RL: n_screen completions first; only questions with unequal screening rewards continue to G."""
 
     def __init__(self, cfg: ScreenConfig) -> None:
-        if cfg.n_screen < 2:
-            raise UserError(f"selector.n_screen must be >= 2 (one completion has no variance), got {cfg.n_screen}.")
-        if cfg.tolerance < 0:
-            raise UserError(f"selector.tolerance must be >= 0, got {cfg.tolerance}.")
         self.cfg = cfg
         self.screened = 0  # over the run: questions screened, and those that went on to G
         self.passed = 0

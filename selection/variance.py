@@ -8,7 +8,14 @@ spread max - min is at most `tolerance`, the one definition every selector uses.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from torch import Tensor
+
+from gpo.schema import Gt, Le
+
+# (0, 1]: a share or probability that must leave something (GRESO's p, MoPPS's kept share and decay).
+PositiveFraction = Annotated[float, Gt(0), Le(1)]
 
 
 def no_variance(rewards: Tensor, tolerance: float) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pydantic import TypeAdapter, ValidationError
 
 from gpo import registry
 from gpo.errors import UserError
@@ -170,12 +171,47 @@ def test_bad_layouts_are_user_errors(name, cfg, call, fragment):
 
 
 def test_bad_config_fails_in_constructor():
+    # A mapping is checked as the composer checks a section (registry.Entry.build): the fields' types say it.
     with pytest.raises(UserError, match="max_rounds"):
         allocator("dynamic", max_rounds=0)
-    with pytest.raises(UserError, match=r"\[0, 1\)"):
+    with pytest.raises(UserError, match="allocator.rate"):
         allocator("dynamic", rate=1.0)
     with pytest.raises(UserError, match="max_rounds"):
         allocator("static", max_rounds=0)
+
+
+@pytest.mark.parametrize(
+    "name, fields, field",
+    [
+        ("dynamic", {"rate": 1.0}, "rate"),  # P = 1 keeps nothing to fill the slots with
+        ("dynamic", {"rate": -0.1}, "rate"),
+        ("dynamic", {"max_rounds": 0}, "max_rounds"),
+        ("static", {"max_rounds": 0}, "max_rounds"),
+    ],
+)
+def test_config_types_reject_out_of_range_values(name, fields, field):
+    with pytest.raises(ValidationError) as err:
+        TypeAdapter(registry.get("allocator", name).config).validate_python(fields)
+    assert err.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize("entry", [e for e in registry.entries("allocator") if e.cls.__module__.startswith(
+    "gpo.allocators.")], ids=lambda e: e.name)
+def test_allocator_configs_are_frozen_and_their_defaults_validate(entry):
+    assert entry.config.__dataclass_params__.frozen
+    assert TypeAdapter(entry.config).validate_python({}) == entry.config()
+
+
+def test_no_allocator_imports_a_pruner():
+    """The dynamic allocator shares k's rounding with the pruners through gpo.quota, not through a pruner."""
+    import ast
+    import pathlib
+
+    for path in pathlib.Path(__file__).parents[1].joinpath("allocators").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in imported if m.startswith("gpo.pruners")], path.name
 
 
 def _batch(advantages, group_size):

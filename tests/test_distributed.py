@@ -67,6 +67,11 @@ def test_keep_divisible_adds_the_best_left_out_rows():
     even = distributed.keep_divisible(score, keep, 2)
     assert distributed.keep_divisible(score, keep, 1) is keep  # one process, or already even: unchanged
     assert distributed.keep_divisible(score, even, 2) is even
+    # the threshold pruner tops up itself, by the same |A|: the engine's old call and the new one agree
+    threshold = registry.get("pruner", "threshold").build({"gamma": 0.95})
+    for world_size in (1, 2, 4):
+        assert torch.equal(threshold.keep(full_batch(), multiple_of=world_size),
+                           distributed.keep_divisible(score, keep, world_size))
 
 
 def _worker(rank, port, out_dir):
@@ -80,9 +85,13 @@ def _worker(rank, port, out_dir):
         for name, scope in CASES + [("topk", "rank")]:
             keep = registry.get("pruner", name).build({"keep": 1, "scope": scope}).keep(gathered)
             result[name, scope] = (keep, distributed.shard(gathered.select(keep), rank, WORLD))
-        threshold = registry.get("pruner", "threshold").build({"gamma": 0.95}).keep(gathered)  # keeps 5 rows
-        keep = distributed.keep_divisible(gathered.advantages.abs(), threshold, WORLD)
+        # gamma 0.95 keeps 5 rows; the pruner tops them up to a multiple of the world size by |A|
+        keep = registry.get("pruner", "threshold").build({"gamma": 0.95}).keep(gathered, multiple_of=WORLD)
         result["threshold"] = (keep, distributed.shard(gathered.select(keep), rank, WORLD))
+        # random, 1 per question of the first 3 questions: 3 rows, one more drawn by the random key
+        keep = registry.get("pruner", "random").build({"keep": 1, "scope": "group", "seed": 3}).keep(
+            gathered.select(torch.arange(12)), multiple_of=WORLD)
+        result["random_top_up"] = keep
         torch.save(result, f"{out_dir}/rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
@@ -135,11 +144,20 @@ def test_rank_scope_is_top_k_within_each_owner(two_ranks):
 
 
 def test_threshold_with_a_varying_count_trains_equal_shares(two_ranks):
-    single = distributed.keep_divisible(full_batch().advantages.abs(),
-                                        registry.get("pruner", "threshold").build({"gamma": 0.95}).keep(full_batch()), 2)
+    single = registry.get("pruner", "threshold").build({"gamma": 0.95}).keep(full_batch(), multiple_of=2)
+    assert torch.nonzero(single).flatten().tolist() == [0, 8, 9, 10, 11, 13]  # the 0.9 at row 13 tops 5 up to 6
     for res in two_ranks:
         assert torch.equal(res["threshold"][0], single)  # every rank adds the same row
     shards = [res["threshold"][1] for res in two_ranks]
     assert [len(s) for s in shards] == [3, 3]
     assert [t for s in shards for t in s.completion_ids[:, 0].tolist()] == \
         full_batch().completion_ids[single, 0].tolist()
+
+
+def test_random_top_up_is_the_same_on_every_rank(two_ranks):
+    three_questions = full_batch().select(torch.arange(12))
+    pruner = registry.get("pruner", "random").build({"keep": 1, "scope": "group", "seed": 3})
+    single = pruner.keep(three_questions, multiple_of=WORLD)
+    assert int(single.sum()) == 4 and int(pruner.keep(three_questions).sum()) == 3
+    for res in two_ranks:
+        assert torch.equal(res["random_top_up"], single)

@@ -1,18 +1,23 @@
-"""Pruners: hand-built advantages for each rule, exact counts, seeded tie-breaks, and invariants (hypothesis)."""
+"""Pruners: hand-built advantages for each rule, exact counts, seeded tie-breaks, top-ups to a multiple of the
+world size, typed configs, and invariants (hypothesis)."""
 
 from __future__ import annotations
 
 import math
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import TypeAdapter, ValidationError
 
 from gpo import registry
 from gpo.errors import UserError
 from gpo.pruners.metrics import prune_metrics
-from gpo.pruners.topk import kept_per_group, row_keys
+from gpo.pruners.ranking import row_keys, top_up
+from gpo.quota import kept_per_group
 from gpo.types import RolloutBatch
 
 registry.load_builtins()
@@ -114,16 +119,68 @@ def test_kept_per_group_rejects_impossible_k(kwargs, fragment):
 
 
 def test_constructor_validates():
-    with pytest.raises(UserError, match="scope"):
+    # A mapping is checked as the composer checks a section (registry.Entry.build): the fields' types say it.
+    with pytest.raises(UserError, match="pruner.scope"):
         build("topk", scope="per_question")
-    with pytest.raises(UserError, match="keep must be >= 1"):
+    with pytest.raises(UserError, match="pruner.keep"):
         build("random", keep=0)
-    with pytest.raises(UserError, match=r"\[0, 1\)"):
+    with pytest.raises(UserError, match="pruner.rate"):
         build("topk", rate=1.0)
-    with pytest.raises(UserError, match="gamma"):
+    with pytest.raises(UserError, match="pruner.gamma"):
         build("threshold", gamma=-1.0)
-    with pytest.raises(UserError, match="min_keep_per_group"):
+    with pytest.raises(UserError, match="pruner.min_keep_per_group"):
         build("threshold", min_keep_per_group=-1)
+    with pytest.raises(UserError, match="set either"):
+        build("random", rate=None)  # neither rate nor keep: a check of two fields, the constructor's
+
+
+def validated(name, **fields):
+    """The pruner's config as the composer makes it: pydantic checks every field against its annotation."""
+    return TypeAdapter(registry.get("pruner", name).config).validate_python(fields)
+
+
+@pytest.mark.parametrize(
+    "name, fields, field",
+    [
+        ("topk", {"rate": 1.0}, "rate"),  # P = 1 would prune every completion
+        ("topk", {"rate": -0.1}, "rate"),
+        ("random", {"rate": 1.0}, "rate"),
+        ("random", {"rate": -0.1}, "rate"),
+        ("topk", {"scope": "per_question"}, "scope"),
+        ("random", {"scope": "per_question"}, "scope"),
+        ("random", {"keep": 0}, "keep"),
+        ("topk", {"seed": 2**63}, "seed"),  # row_keys packs the seed into 8 signed bytes
+        ("threshold", {"gamma": -1.0}, "gamma"),
+        ("threshold", {"min_keep_per_group": -1}, "min_keep_per_group"),
+    ],
+)
+def test_config_types_reject_out_of_range_values(name, fields, field):
+    with pytest.raises(ValidationError) as err:
+        validated(name, **fields)
+    assert err.value.errors()[0]["loc"][0] == field
+
+
+def test_config_types_accept_the_documented_choices():
+    assert [validated("topk", scope=s).scope for s in ("group", "rank", "global")] == ["group", "rank", "global"]
+    assert validated("random", rate=0.0, keep=3) == registry.get("pruner", "random").config(rate=0.0, keep=3)
+    assert validated("threshold", gamma=0.0).gamma == 0.0
+
+
+BUILTIN_PRUNERS = [e for e in registry.entries("pruner") if e.cls.__module__.startswith("gpo.pruners.")]
+
+
+@pytest.mark.parametrize("entry", BUILTIN_PRUNERS, ids=lambda e: e.name)
+def test_pruner_configs_are_frozen_and_their_defaults_validate(entry):
+    assert entry.config.__dataclass_params__.frozen
+    assert TypeAdapter(entry.config).validate_python({}) == entry.config()
+    fields = dataclasses.fields(entry.config)
+    if fields:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(entry.config(), fields[0].name, None)
+
+
+def test_random_registers_its_own_config():
+    assert registry.get("pruner", "random").config is not registry.get("pruner", "topk").config
 
 
 def test_keep_larger_than_group_fails_on_the_batch():
@@ -245,6 +302,73 @@ def test_random_keeps_topk_counts_but_ignores_advantage():
     assert not torch.equal(keep, build("topk", keep=2).keep(batch))
 
 
+# --- top-up to a multiple of the world size: by the pruner's own score ----------------------------------------
+
+
+def test_top_up_adds_the_highest_priority_rows_left_out():
+    keep = torch.tensor([True, False, False, True, False])
+    priority = torch.tensor([0.0, 0.5, 0.9, 0.0, 0.5])
+    assert top_up(keep, priority, 1) is keep and top_up(keep, priority, 2) is keep  # 2 kept: nothing to add
+    assert kept_rows(top_up(keep, priority, 3)) == [0, 2, 3]  # one more: the 0.9
+    assert kept_rows(top_up(keep, priority, 4)) == [0, 1, 2, 3]  # two more: 0.9, then the first of the tied 0.5s
+    assert kept_rows(top_up(torch.tensor([True, True, True, False, False]), priority, 2)) == [0, 1, 2, 4]  # 0.5 > 0
+    # 5 rows cannot make 6 (N itself is not a multiple of 2): every row is kept, the count stays uneven
+    everything = torch.ones(5, dtype=torch.bool)
+    assert top_up(everything, priority, 2) is everything
+    assert kept_rows(top_up(torch.tensor([True, True, True, True, False]), priority, 3)) == [0, 1, 2, 3, 4]
+    with pytest.raises(UserError, match="multiple_of"):
+        top_up(keep, priority, 0)
+
+
+def test_random_tops_up_by_its_own_priorities_not_by_abs_advantage():
+    # One group of 8, |A| rising to 8.0 at row 7. Random keeps 1 row (the smallest key); 3 ranks need 2 more.
+    adv = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 8.0]
+    batch = make_batch(adv, group_size=8)
+    pruner = build("random", keep=1, seed=3)
+    by_key = torch.argsort(row_keys(batch, 3)).tolist()  # rows from the smallest key: the random order
+    assert kept_rows(pruner.keep(batch)) == [by_key[0]]
+    topped = pruner.keep(batch, multiple_of=3)
+    assert kept_rows(topped) == sorted(by_key[:3])
+    # |A| would have added rows 7 and 6; with this seed the random priorities choose other rows
+    by_abs_advantage = kept_rows(top_up(pruner.keep(batch), batch.advantages.abs(), 3))
+    assert 7 in by_abs_advantage and 6 in by_abs_advantage
+    assert kept_rows(topped) != by_abs_advantage
+
+
+def test_topk_and_threshold_top_up_by_abs_advantage():
+    batch = make_batch([1.5, -0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.9, 1.0, -1.0, 1.0, -1.0], group_size=4)
+    # threshold 0.95 keeps |A| 1.5, 1, 1, 1, 1 (rows 0, 8-11): 5 rows; 2 ranks add the 0.9 (row 7)
+    assert kept_rows(build("threshold", gamma=0.95).keep(batch, multiple_of=2)) == [0, 7, 8, 9, 10, 11]
+    # topk keep=1 keeps rows 0, 7, 8 (group 2: the tied 1s go by key); 2 ranks add the best |A| left: a 1.0
+    base = build("topk", keep=1).keep(batch)
+    topped = build("topk", keep=1).keep(batch, multiple_of=2)
+    added = kept_rows(topped & ~base)
+    assert len(added) == 1 and batch.advantages[added[0]].abs() == 1.0
+
+
+def test_none_pads_nothing():
+    batch = make_batch([0.0] * 6, group_size=3)
+    for world_size in (1, 2, 4):  # 6 rows over 4 ranks stay 6: none leaves nothing out to add
+        assert build("none").keep(batch, multiple_of=world_size).all()
+
+
+SCOPE_CASES = [(name, scope) for name in ("topk", "random") for scope in ("group", "rank", "global")]
+
+
+@pytest.mark.parametrize("name, scope", SCOPE_CASES + [("threshold", None), ("none", None)])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_keep_is_divisible_by_the_world_size_for_every_pruner_and_scope(name, scope, world_size):
+    # 12 rows: 3 questions of 4, owned by ranks 0, 0, 1; N = 12 splits over 1, 2, 3 and 4 ranks
+    adv = [1.5, -0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.9, 1.0, -1.0, 0.2, -0.7]
+    batch = make_batch(adv, group_size=4, owner_rank=[0] * 8 + [1] * 4)
+    cfg = {"keep": 1, "scope": scope} if scope else ({"gamma": 0.95} if name == "threshold" else {})
+    pruner = build(name, **cfg)
+    rule, keep = pruner.keep(batch), pruner.keep(batch, multiple_of=world_size)
+    assert int(keep.sum()) % world_size == 0
+    assert torch.equal(keep & rule, rule) and int((keep & ~rule).sum()) < world_size  # only adds, and no more
+    assert torch.equal(pruner.keep(batch, multiple_of=1), rule)
+
+
 # --- metrics -----------------------------------------------------------------------------------------------------
 
 
@@ -317,3 +441,21 @@ def test_config_composer_checks_pruner_fields():
     assert compose(["pruner=threshold", "pruner.gamma=0.5", "tracker=none"]).pruner.gamma == 0.5
     with pytest.raises(UserError, match="pruner.scope"):
         compose(["pruner=topk", "pruner.scope=per_question", "tracker=none"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(pruning_case(), st.sampled_from(["topk", "random", "threshold", "none"]), st.integers(1, 5))
+def test_top_up_property(case, name, world_size):
+    """Any batch, pruner and world size: the rule's rows stay, fewer than world_size are added, the count is a
+    multiple whenever the batch's N is, and no row left out outranks an added one by the pruner's own priority."""
+    batch, questions, group_size, k, scope = case
+    cfg = {"topk": dict(keep=k, scope=scope, seed=1), "random": dict(keep=k, scope=scope, seed=1),
+           "threshold": dict(gamma=0.6, min_keep_per_group=k - 1, seed=1), "none": {}}[name]
+    pruner = build(name, **cfg)
+    rule, keep = pruner.keep(batch), pruner.keep(batch, multiple_of=world_size)
+    added, left_out = keep & ~rule, ~keep
+    assert torch.equal(keep & rule, rule) and int(added.sum()) < world_size
+    assert int(keep.sum()) % world_size == 0 or (len(batch) % world_size and keep.all())
+    priority = -row_keys(batch, 1) if name == "random" else batch.advantages.abs()
+    if added.any() and left_out.any():
+        assert priority[added].min() >= priority[left_out].max()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from pydantic import TypeAdapter, ValidationError
 
 from gpo import registry
 from gpo.errors import UserError
@@ -157,6 +158,49 @@ def test_mopps_band_keeps_every_sample_inside():
 def test_mopps_rejects_bad_settings(cfg):
     with pytest.raises(UserError):
         build("mopps", **cfg)
+
+
+def test_greso_rejects_p_bounds_out_of_order():
+    with pytest.raises(UserError, match="p_low <= p_start <= p_high"):
+        build("greso", p_low=0.6, p_start=0.5)  # each in (0, 1]; the order of the three is the constructor's check
+
+
+@pytest.mark.parametrize(
+    "name, fields, field",
+    [
+        ("screen", {"n_screen": 1}, "n_screen"),  # one completion has no variance to screen on
+        ("screen", {"tolerance": -1e-3}, "tolerance"),
+        ("greso", {"p_low": 0.0}, "p_low"),  # p^z with p = 0 would never draw a question again
+        ("greso", {"p_high": 1.5}, "p_high"),
+        ("greso", {"target": 1.1}, "target"),
+        ("greso", {"easy_share": -0.1}, "easy_share"),
+        ("greso", {"p_min": 2.0}, "p_min"),
+        ("greso", {"adjust_step": -0.01}, "adjust_step"),
+        ("mopps", {"keep_fraction": 0.0}, "keep_fraction"),
+        ("mopps", {"band": [0.3, 1.2]}, "band"),
+        ("mopps", {"band": [0.3]}, "band"),  # [low, high]: two ends
+        ("mopps", {"prior_alpha": 0.0}, "prior_alpha"),
+        ("mopps", {"decay": 0.0}, "decay"),
+        ("mopps", {"target": -0.5}, "target"),
+    ],
+)
+def test_config_types_reject_out_of_range_values(name, fields, field):
+    with pytest.raises(ValidationError) as err:
+        TypeAdapter(registry.get("selector", name).config).validate_python(fields)
+    assert err.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize("entry", [e for e in registry.entries("selector") if e.cls.__module__.startswith(
+    "gpo.selectors.")], ids=lambda e: e.name)
+def test_selector_configs_are_frozen_and_their_defaults_validate(entry):
+    assert entry.config.__dataclass_params__.frozen
+    assert TypeAdapter(entry.config).validate_python({}) == entry.config()
+
+
+def test_mopps_band_from_a_yaml_list_is_a_pair():
+    cfg = TypeAdapter(registry.get("selector", "mopps").config).validate_python({"band": [0.3, 0.7]})
+    assert cfg.band == (0.3, 0.7)
+    assert build("mopps", band=[0.3, 0.7]).cfg.band == (0.3, 0.7)
 
 
 # --- phases --------------------------------------------------------------------------------------------------------

@@ -275,9 +275,18 @@ class Task(Protocol):
 
     def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]: ...
 
+    def close(self) -> None:
+        """Free what the task holds outside Python (e.g. math's verification workers); a no-op where it holds
+        nothing. Safe to call twice; a task used after close() starts what it needs again."""
+
 
 class Backend(Protocol):
     """backend: generates completions; the policy's weights are synced into it after every optimizer step."""
+
+    # True when `generate` runs the training model itself (`hf`): under ZeRO-3 its parameters must then be gathered
+    # around generation. False for a generator with its own copy of the weights (`vllm`), which gets them through
+    # `sync_weights` and needs nothing gathered while it generates.
+    generates_with_policy: bool
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
         """Token ids of n completions per prompt, prompt-major (row i*n + j is prompt i's j-th sample)."""
@@ -287,6 +296,10 @@ class Backend(Protocol):
         samples with the training model itself (`hf`) and so has nothing to correct."""
 
     def sync_weights(self, model: Any) -> None: ...
+
+    def close(self) -> None:
+        """Free the generator's resources (vLLM's engine, which must shut down before the trainer's process group
+        does); a no-op where there is nothing to free. Safe to call twice."""
 
 
 class Tracker(Protocol):

@@ -134,3 +134,6 @@ class Arith:
                                 correct=extracted is not None and same_number(extracted, example["gold"]),
                                 formatted=answer_tag(completion) is not None))
         return grades
+
+    def close(self) -> None:
+        """Nothing to free: the problems are generated in this process."""

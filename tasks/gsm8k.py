@@ -88,3 +88,6 @@ class GSM8K:
                   formatted=r1_formatted(c))
             for c, ex in zip(completions, examples, strict=True)
         ]
+
+    def close(self) -> None:
+        """Nothing to free: grading runs in this process."""

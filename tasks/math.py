@@ -126,7 +126,8 @@ class Math:
         ]
 
     def close(self) -> None:
-        """Stop the verification workers (they also stop with this process)."""
+        """Stop the verification workers (they also stop with this process). Safe to call twice; a later reward
+        or grade starts a new pool."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None

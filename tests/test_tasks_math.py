@@ -207,3 +207,29 @@ def test_bad_config() -> None:
         Math(MathConfig(verify_timeout_s=0))
     with pytest.raises(UserError, match="workers"):
         Math(MathConfig(workers=-1))
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_close_stops_the_verification_workers_and_twice_is_harmless() -> None:
+    task = Math(MathConfig(workers=2, verify_timeout_s=LIMIT_S))
+    assert task.reward([boxed("2")], [{"gold": "2"}]).components["accuracy"] == [2.0]  # starts the pool
+    pids = task._pool.worker_pids()
+    assert len(pids) == 2 and all(_running(pid) for pid in pids)
+    task.close()
+    deadline = time.monotonic() + 5.0
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(pid) for pid in pids)
+    task.close()  # nothing left to stop: a no-op
+    # A task used after close() starts new workers rather than failing.
+    assert task.reward([boxed("3")], [{"gold": "2"}]).components["accuracy"] == [0.0]
+    assert set(task._pool.worker_pids()).isdisjoint(pids)
+    task.close()

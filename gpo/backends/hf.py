@@ -37,6 +37,8 @@ DECODERS = ("gpo", "generate")
 class HFBackend:
     """Generation on the policy itself: one prefill per prompt shared by its samples (default; runs on CPU)."""
 
+    generates_with_policy = True  # the training model's own forward passes: ZeRO-3 gathers it around generate
+
     def __init__(self, cfg: HFConfig, model: Any = None, tokenizer: Any = None) -> None:
         if cfg.decode not in DECODERS:
             raise UserError(f"backend.decode must be one of {', '.join(DECODERS)}, got `{cfg.decode}`.")
@@ -125,6 +127,9 @@ class HFBackend:
 
     def sync_weights(self, model: Any) -> None:
         self.model = model  # generates with the training model's own parameters
+
+    def close(self) -> None:
+        """Nothing to free: the model is the trainer's."""
 
 
 def _until_eos(row: list[int], eos: int) -> list[int]:

@@ -52,6 +52,8 @@ class VLLMConfig:
 class VLLMBackend:
     """A colocated vLLM engine: G samples per prompt in one request, weights loaded in memory after each step."""
 
+    generates_with_policy = False  # its own copy of the weights (synced in `_load`): nothing to gather to generate
+
     def __init__(self, cfg: VLLMConfig, model: Any = None, tokenizer: Any = None) -> None:
         if cfg.dtype not in DTYPES:
             raise UserError(f"backend.dtype must be one of {', '.join(DTYPES)}, got `{cfg.dtype}`.")

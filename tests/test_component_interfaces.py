@@ -1,0 +1,61 @@
+"""Every built-in task and backend implements what the engine calls on it without `getattr`: `close()` (safe
+twice) and, for backends, `generates_with_policy` (whether ZeRO-3 must gather the policy around generation)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from gpo import registry
+from gpo.types import Backend, Task
+
+BUILTIN_TASKS = ("aime24", "amc23", "arith", "gsm8k", "math")
+BUILTIN_BACKENDS = ("hf", "vllm")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def builtins() -> None:
+    registry.load_builtins()
+
+
+def _protocol_methods(protocol: type) -> set[str]:
+    return {name for name, _ in inspect.getmembers(protocol, inspect.isfunction) if not name.startswith("_")}
+
+
+def test_the_protocols_declare_close():
+    assert "close" in _protocol_methods(Task)
+    assert "close" in _protocol_methods(Backend)
+    assert "generates_with_policy" in Backend.__annotations__
+
+
+@pytest.mark.parametrize("kind, name", [("task", n) for n in BUILTIN_TASKS] + [("backend", n) for n in BUILTIN_BACKENDS])
+def test_builtins_implement_every_protocol_method(kind, name):
+    cls = registry.get(kind, name).cls
+    protocol = Task if kind == "task" else Backend
+    missing = [m for m in _protocol_methods(protocol) if not callable(getattr(cls, m, None))]
+    assert not missing, f"{kind} `{name}` lacks {missing}"
+    # Its own method, not the Protocol's empty body (the classes do not inherit from the Protocols).
+    assert cls.close is not getattr(protocol, "close")
+
+
+def test_backends_say_whether_they_generate_with_the_policy():
+    assert registry.get("backend", "hf").cls.generates_with_policy is True  # ZeRO-3 gathers around its forwards
+    assert registry.get("backend", "vllm").cls.generates_with_policy is False  # its own weights, synced
+
+
+@pytest.mark.parametrize("name", ["aime24", "amc23", "arith", "gsm8k"])
+def test_closing_a_task_that_holds_nothing_twice_is_harmless_and_it_still_works(name):
+    task = registry.get("task", name).build()
+    task.close()
+    task.close()
+    example = {"gold": "7", "question": "q", "problem": "q"}
+    grades = task.grade(["<think>x</think>\n<answer>\\boxed{7}</answer>"], [example])
+    assert [g.correct for g in grades] == [True]
+
+
+def test_closing_the_hf_backend_twice_is_harmless():
+    backend = registry.get("backend", "hf").build(model=None, tokenizer=None)
+    backend.close()
+    backend.close()
+    assert backend.model is None  # it frees nothing of the trainer's

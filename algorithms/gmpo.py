@@ -17,57 +17,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from gpo import ops
-from gpo.errors import UserError
+from gpo.algorithms.base import BaseObjective, ClipRange, ObjectiveConfig, StdScaledAdvantages
 from gpo.registry import register
-from gpo.types import RolloutBatch, StepTotals
+from gpo.schema import NonNegative
 
 
-@dataclass
-class GMPOConfig:
-    epsilon_low: float = 0.4  # log ratio clipped below at -epsilon_low where A < 0 (paper)
-    epsilon_high: float = 0.4  # and above at epsilon_high where A > 0 (paper)
-    beta: float = 0.0  # KL coefficient; 0 loads no reference model
-    kl_estimator: str = "k3"  # used only when beta > 0
-    kl_clamp: float | None = None
-    is_correction: str = "token"  # token | sequence | none: weigh losses by min(pi_old / pi_sampler, is_cap)
-    is_cap: float = 2.0  # truncation of those weights; they apply only with a backend that reports log-probs (vllm)
-    std_eps: float = 1e-6  # advantage = (r - mean) / (std + std_eps), verl's value (the authors' code)
+@dataclass(frozen=True)
+class GMPOConfig(ObjectiveConfig, ClipRange, StdScaledAdvantages):
+    # The bounds are on the log ratio, so any eps >= 0 is a valid range (it keeps r_t within (e^-eps, e^eps)).
+    epsilon_low: NonNegative = 0.4  # log ratio clipped below at -epsilon_low where A < 0 (paper)
+    epsilon_high: NonNegative = 0.4  # and above at epsilon_high where A > 0 (paper)
+    beta: NonNegative = 0.0  # KL coefficient; 0 loads no reference model
+    std_eps: NonNegative = 1e-6  # verl's value (the authors' code)
 
 
 @register("algo", "gmpo", config=GMPOConfig)
-class GMPO:
+class GMPO(BaseObjective):
     """GMPO (arXiv 2507.20673): -A * geometric mean of the token ratios, log ratios clipped to [-0.4, 0.4]."""
-
-    def __init__(self, cfg: GMPOConfig, mu: int = 1, max_completion_length: int | None = None) -> None:
-        if mu < 1:
-            raise UserError(f"train.mu (policy updates per generation) must be >= 1, got {mu}.")
-        for key in ("epsilon_low", "epsilon_high"):  # log-space bounds: any eps >= 0 is a valid range
-            if not getattr(cfg, key) >= 0:
-                raise UserError(f"algo.{key} (a bound on the log ratio) must be >= 0, got {getattr(cfg, key)}.")
-        self.cfg = cfg
-        self.policy_loss = ops.PolicyLoss.with_surrogate(self.surrogate, cfg)
-        self.needs_ref_logprobs = cfg.beta > 0
-        self.needs_old_logprobs = mu > 1
 
     def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> ops.Surrogate:
         return ops.geometric_mean_surrogate(logp, old_logp, advantages, mask, eps_low=self.cfg.epsilon_low,
                                             eps_high=self.cfg.epsilon_high)
-
-    def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
-        return rewards
-
-    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
-        return torch.ones(rewards.shape[0], dtype=torch.bool)  # [B]
-
-    def advantages(self, rewards: Tensor) -> Tensor:
-        return ops.group_advantages(rewards, scale_by_std=True, eps=self.cfg.std_eps)  # [B, G]
-
-    def loss_mask(self, batch: RolloutBatch) -> Tensor:
-        return batch.completion_mask
-
-    def loss(self, logp: Tensor, batch: RolloutBatch, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
-        return self.policy_loss(logp, batch, self.loss_mask(batch), totals, ops.seq_mean)

@@ -18,55 +18,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from gpo import ops
-from gpo.errors import UserError
+from gpo.algorithms.base import BaseObjective, ClipRange, ObjectiveConfig, StdScaledAdvantages
 from gpo.registry import register
-from gpo.types import RolloutBatch, StepTotals
+from gpo.schema import NonNegative, Rate
 
 
-@dataclass
-class GSPOConfig:
-    epsilon_low: float = 3e-4  # sequence ratio clipped below at 1 - epsilon_low (paper)
-    epsilon_high: float = 4e-4  # and above at 1 + epsilon_high (paper)
-    beta: float = 0.0  # KL coefficient; 0 loads no reference model
-    kl_estimator: str = "k3"  # used only when beta > 0
-    kl_clamp: float | None = None
-    is_correction: str = "token"  # token | sequence | none: weigh losses by min(pi_old / pi_sampler, is_cap)
-    is_cap: float = 2.0  # truncation of those weights; they apply only with a backend that reports log-probs (vllm)
-    std_eps: float = 1e-4  # advantage = (r - mean) / (std + std_eps), TRL's value
+@dataclass(frozen=True)
+class GSPOConfig(ObjectiveConfig, ClipRange, StdScaledAdvantages):
+    epsilon_low: Rate = 3e-4  # sequence ratio clipped below at 1 - epsilon_low (paper)
+    epsilon_high: NonNegative = 4e-4  # and above at 1 + epsilon_high (paper)
+    beta: NonNegative = 0.0  # KL coefficient; 0 loads no reference model
 
 
 @register("algo", "gspo", config=GSPOConfig)
-class GSPO:
+class GSPO(BaseObjective):
     """GSPO (arXiv 2507.18071): one clipped ratio per sequence (geometric mean of its token ratios), clip 3e-4/4e-4."""
-
-    def __init__(self, cfg: GSPOConfig, mu: int = 1, max_completion_length: int | None = None) -> None:
-        if mu < 1:
-            raise UserError(f"train.mu (policy updates per generation) must be >= 1, got {mu}.")
-        ops.check_clip_range(cfg.epsilon_low, cfg.epsilon_high)
-        self.cfg = cfg
-        self.policy_loss = ops.PolicyLoss.with_surrogate(self.surrogate, cfg)
-        self.needs_ref_logprobs = cfg.beta > 0
-        self.needs_old_logprobs = mu > 1
 
     def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> ops.Surrogate:
         return ops.sequence_clipped_surrogate(logp, old_logp, advantages, mask, eps_low=self.cfg.epsilon_low,
                                               eps_high=self.cfg.epsilon_high)
-
-    def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
-        return rewards
-
-    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
-        return torch.ones(rewards.shape[0], dtype=torch.bool)  # [B]
-
-    def advantages(self, rewards: Tensor) -> Tensor:
-        return ops.group_advantages(rewards, scale_by_std=True, eps=self.cfg.std_eps)  # [B, G]
-
-    def loss_mask(self, batch: RolloutBatch) -> Tensor:
-        return batch.completion_mask
-
-    def loss(self, logp: Tensor, batch: RolloutBatch, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
-        return self.policy_loss(logp, batch, self.loss_mask(batch), totals, ops.seq_mean)

@@ -21,54 +21,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from gpo import ops
-from gpo.errors import UserError
+from gpo.algorithms.base import BaseObjective, ObjectiveConfig, PPOClip
 from gpo.registry import register
-from gpo.types import RolloutBatch, StepTotals
+from gpo.schema import NonNegative, Positive
 
 
-@dataclass
-class ReinforcePPConfig:
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    beta: float = 0.0  # KL coefficient; 0 loads no reference model
-    kl_estimator: str = "k2"  # the paper's estimator for the KL loss term (used only when beta > 0)
-    kl_clamp: float | None = None
-    dual_clip: float | None = None
-    is_correction: str = "token"  # token | sequence | none: weigh losses by min(pi_old / pi_sampler, is_cap)
-    is_cap: float = 2.0  # truncation of those weights; they apply only with a backend that reports log-probs (vllm)
-    whiten_eps: float = 1e-8  # A / sqrt(var + whiten_eps), verl's masked_whiten value
+@dataclass(frozen=True)
+class ReinforcePPConfig(ObjectiveConfig, PPOClip):
+    beta: NonNegative = 0.0  # KL coefficient; 0 loads no reference model
+    kl_estimator: ops.KLEstimator = "k2"  # the paper's estimator for the KL loss term (used only when beta > 0)
+    whiten_eps: Positive = 1e-8  # A / sqrt(var + whiten_eps), verl's masked_whiten value
 
 
 @register("algo", "reinforce_pp", config=ReinforcePPConfig)
-class ReinforcePP:
+class ReinforcePP(BaseObjective):
     """REINFORCE++-baseline (arXiv 2501.03262): r - group mean, whitened over the whole batch; token-mean PPO clip."""
 
-    def __init__(self, cfg: ReinforcePPConfig, mu: int = 1, max_completion_length: int | None = None) -> None:
-        if mu < 1:
-            raise UserError(f"train.mu (policy updates per generation) must be >= 1, got {mu}.")
-        if not cfg.whiten_eps > 0:
-            raise UserError(f"algo.whiten_eps must be > 0, got {cfg.whiten_eps}.")
-        self.cfg = cfg
-        self.policy_loss = ops.PolicyLoss.from_config(cfg)
-        self.needs_ref_logprobs = cfg.beta > 0
-        self.needs_old_logprobs = mu > 1
-
-    def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
-        return rewards
-
-    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
-        return torch.ones(rewards.shape[0], dtype=torch.bool)  # [B]
+    aggregate = staticmethod(ops.token_mean)
 
     def advantages(self, rewards: Tensor) -> Tensor:
         centred = ops.group_advantages(rewards, scale_by_std=False)  # [B, G]
         return ops.batch_whiten(centred, eps=self.cfg.whiten_eps)  # [B, G]
-
-    def loss_mask(self, batch: RolloutBatch) -> Tensor:
-        return batch.completion_mask
-
-    def loss(self, logp: Tensor, batch: RolloutBatch, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
-        return self.policy_loss(logp, batch, self.loss_mask(batch), totals, ops.token_mean)

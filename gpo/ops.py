@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
@@ -35,7 +35,8 @@ from torch import Tensor
 from gpo.errors import UserError
 from gpo.types import RolloutBatch, StepTotals
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KLEstimator = Literal["k1", "k2", "k3"]  # the type of a config field that names one
+KL_ESTIMATORS = get_args(KLEstimator)
 
 # --- advantages -------------------------------------------------------------------------------------------------
 
@@ -272,7 +273,8 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3", clamp: flo
     return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
-IS_LEVELS = ("token", "sequence", "none")
+ImportanceLevel = Literal["token", "sequence", "none"]
+IS_LEVELS = get_args(ImportanceLevel)
 
 
 def truncated_is_weights(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float,
@@ -323,6 +325,7 @@ def token_sum_norm(loss: Tensor, mask: Tensor, totals: StepTotals, normaliser: i
     return torch.where(mask.bool(), loss, 0.0).sum() / (max(totals.sequences, 1) * normaliser)
 
 
+LossAggregation = Literal["seq_mean", "token_mean"]  # the aggregations a config can name (`AGGREGATIONS`)
 AGGREGATIONS: dict[str, Aggregation] = {"seq_mean": seq_mean, "token_mean": token_mean}
 
 

@@ -176,8 +176,9 @@ class Sampling:
 class Objective(Protocol):
     """algo: turns rewards into advantages and log-probs into a loss."""
 
-    needs_ref_logprobs: bool  # False when the KL coefficient is 0: no reference model is loaded at all
-    needs_old_logprobs: bool  # True when mu > 1; otherwise old = detached current log-probs
+    # False when the KL coefficient is 0: no reference model is loaded at all. (Old log-probs are the engine's
+    # decision: it computes them when train.mu > 1, else the loss uses the detached current ones.)
+    needs_ref_logprobs: bool
 
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
         """[B, G] -> [B, G], e.g. DAPO's soft overlong penalty. Identity by default."""

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from pydantic import TypeAdapter, ValidationError
 from test_ops import LN2, micro_batch
 
 from gpo import ops, registry
+from gpo.algorithms.base import BaseObjective, ObjectiveConfig
 from gpo.errors import UserError
 from gpo.types import StepTotals
 
 ALGOS = ("grpo", "dapo", "dr_grpo")
 
 
-def build(name: str, mu: int = 1, max_completion_length: int | None = 8, **cfg):
+def build(name: str, max_completion_length: int | None = 8, **cfg):
+    """The objective as a run builds it: its settings validated against the config class's annotations (as the
+    composer validates them; a bad value raises pydantic's ValidationError here), then the constructor."""
     registry.load_builtins()
     entry = registry.get("algo", name)
-    return entry.build(entry.config(**cfg), mu=mu, max_completion_length=max_completion_length)
+    return entry.build(TypeAdapter(entry.config).validate_python(cfg), max_completion_length=max_completion_length)
 
 
 # --- registration and paper defaults ------------------------------------------------------------------------------
@@ -43,32 +48,115 @@ def test_paper_defaults():
     assert (dr["epsilon_low"], dr["epsilon_high"], dr["beta"], dr["loss_normalizer"]) == (0.2, 0.2, 0.0, None)
 
 
-def test_reference_and_old_logprobs_are_requested_only_when_needed():
+def test_reference_logprobs_are_requested_only_when_needed():
     assert build("grpo").needs_ref_logprobs  # beta 0.04
     assert not build("grpo", beta=0.0).needs_ref_logprobs  # no reference model at all
     assert not build("dapo").needs_ref_logprobs and not build("dr_grpo").needs_ref_logprobs
     assert build("dapo", beta=0.01).needs_ref_logprobs
-    for name in ALGOS:
-        assert not build(name, mu=1).needs_old_logprobs
-        assert build(name, mu=2).needs_old_logprobs
+    # Old log-probs are the engine's decision (train.mu > 1), not an objective's: no objective takes mu.
+    for name in registry.names("algo"):
+        assert not hasattr(build(name), "needs_old_logprobs"), name
+        with pytest.raises(TypeError, match="mu"):
+            registry.get("algo", name).build(None, mu=2, max_completion_length=8)
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg", "message"),
+    [
+        ("grpo", {"loss_agg": "token_sum"}, "loss_agg"),
+        ("grpo", {"epsilon_low": 1.5}, "epsilon_low"),
+        ("dapo", {"kl_estimator": "k5"}, "kl_estimator"),
+        ("dr_grpo", {"dual_clip": 0.5}, "dual_clip"),
+        ("dr_grpo", {"loss_normalizer": 0}, "loss_normalizer"),
+        ("dapo", {"overlong_buffer": 0}, "overlong_buffer"),
+    ],
+)
+def test_bad_settings_are_refused_by_the_config_type(name, cfg, message):
+    with pytest.raises(ValidationError, match=message):
+        build(name, **cfg)
 
 
 @pytest.mark.parametrize(
     ("name", "cfg", "context", "message"),
-    [
-        ("grpo", {}, {"mu": 0}, "mu"),
-        ("grpo", {"loss_agg": "token_sum"}, {}, "loss_agg"),
-        ("grpo", {"epsilon_low": 1.5}, {}, "epsilon_low"),
-        ("dapo", {"kl_estimator": "k5"}, {}, "kl_estimator"),
+    [  # checks that involve the run's length limit, which the constructor gets from the engine
         ("dapo", {}, {"max_completion_length": None}, "max_completion_length"),
         ("dapo", {"overlong_buffer": 9}, {"max_completion_length": 8}, "overlong_buffer"),
         ("dr_grpo", {}, {"max_completion_length": None}, "loss_normalizer"),
-        ("dr_grpo", {"dual_clip": 0.5}, {}, "dual_clip"),
     ],
 )
 def test_bad_settings_fail_in_the_constructor(name, cfg, context, message):
     with pytest.raises(UserError, match=message):
         build(name, **context, **cfg)
+
+
+# --- what the objectives share (algorithms/base.py) ---------------------------------------------------------------
+
+# The parts of GRPO that each objective replaces (the table in algorithms/base.py); it keeps every other one.
+REPLACED = {
+    "grpo": set(),
+    "dapo": {"shape_rewards", "group_filter", "loss_mask"},
+    "dr_grpo": {"advantages"},
+    "gspo": {"surrogate"},
+    "cispo": {"surrogate"},
+    "sapo": {"surrogate"},
+    "gmpo": {"surrogate"},
+    "rloo": {"surrogate", "advantages"},
+    "reinforce_pp": {"advantages"},
+}
+AGGREGATE = {"grpo": ops.seq_mean, "dapo": ops.token_mean, "dr_grpo": ops.token_sum_norm, "gspo": ops.seq_mean,
+             "cispo": ops.token_mean, "sapo": ops.seq_mean, "gmpo": ops.seq_mean, "rloo": ops.seq_mean,
+             "reinforce_pp": ops.token_mean}
+PARTS = ("shape_rewards", "group_filter", "advantages", "loss_mask", "surrogate", "loss")  # `aggregate`: AGGREGATE
+
+
+def test_every_objective_derives_from_the_base_and_keeps_the_shared_parts():
+    registry.load_builtins()
+    assert set(registry.names("algo")) == set(REPLACED)  # a new objective gets a row here
+    lengths, truncated = torch.tensor([[3, 8, 5, 8]] * 3), torch.tensor([[False, True, False, True]] * 3)
+    batch = micro_batch([1.0, -1.0], [[1, 1], [1, 0]])
+    for name, replaced in REPLACED.items():
+        entry = registry.get("algo", name)
+        assert issubclass(entry.config, ObjectiveConfig) and entry.config.__dataclass_params__.frozen, name
+        assert issubclass(entry.cls, BaseObjective), name
+        for part in PARTS:  # the objective's own definition only where it replaces the part
+            assert (part in vars(entry.cls)) == (part in replaced), (name, part)
+            if part not in replaced:
+                assert getattr(entry.cls, part) is getattr(BaseObjective, part), (name, part)
+        objective = build(name)
+        aggregate = getattr(objective.aggregate, "func", objective.aggregate)  # dr_grpo's is a partial
+        assert aggregate is AGGREGATE[name], name
+        assert (objective.policy_loss.surrogate is None) == ("surrogate" not in replaced), name  # PPO's clip
+        if "shape_rewards" not in replaced:
+            assert objective.shape_rewards(REWARDS, lengths, truncated) is REWARDS
+        if "group_filter" not in replaced:
+            assert objective.group_filter(REWARDS, {"accuracy": REWARDS}).tolist() == [True, True, True]
+        if "loss_mask" not in replaced:
+            assert objective.loss_mask(batch) is batch.completion_mask
+
+
+SHARED_BAD = [  # (field, a value its maths refuses); each objective's config that has the field refuses it
+    ("beta", -0.1), ("kl_estimator", "k4"), ("kl_clamp", 0.0), ("is_correction", "word"), ("is_cap", 0.5),
+    ("is_cap", math.nan), ("std_eps", -1e-4), ("epsilon_high", -0.1), ("dual_clip", 1.0), ("loss_agg", "mean"),
+]
+
+
+@pytest.mark.parametrize("name", sorted(REPLACED))
+def test_shared_settings_are_typed_alike_in_every_objective(name):
+    entry = registry.get("algo", name)
+    fields = {f.name for f in dataclasses.fields(entry.config)}
+    assert {f.name for f in dataclasses.fields(ObjectiveConfig)} <= fields
+    for field, value in SHARED_BAD:
+        if field in fields:
+            with pytest.raises(ValidationError, match=field):
+                build(name, **{field: value})
+    good = build(name, beta=0.1, kl_estimator="k2", kl_clamp=10.0, is_correction="sequence", is_cap=3.0)
+    assert (good.cfg.beta, good.policy_loss.kl_estimator, good.policy_loss.kl_clamp) == (0.1, "k2", 10.0)
+    assert (good.policy_loss.is_correction, good.policy_loss.is_cap) == ("sequence", 3.0)
+    assert good.needs_ref_logprobs
+    if name not in ("gmpo", "sapo"):  # gmpo's bounds are in log space; sapo has no clip range
+        with pytest.raises(ValidationError, match="epsilon_low"):
+            build(name, epsilon_low=1.0)  # a lower bound of 0 on the ratio
+    assert "mu" not in fields  # the engine's loop count, not an objective's setting
 
 
 # --- advantages, shaping, filtering -------------------------------------------------------------------------------
@@ -110,7 +198,7 @@ def test_dapo_filters_on_accuracy_not_on_the_shaped_total():
     assert build("dapo", filter_on="total").group_filter(total, components).tolist() == [True, False, True]
     with pytest.raises(UserError, match="filter_on=total"):
         build("dapo").group_filter(total, {"format": total})
-    with pytest.raises(UserError, match="filter_on must be one of"):
+    with pytest.raises(ValidationError, match="filter_on"):
         build("dapo", filter_on="reward")
 
 
@@ -178,10 +266,10 @@ def test_old_logprobs_are_used_when_given():
     old = torch.tensor([[-math.log(1.5), 0.0], [0.0, 0.0]], dtype=torch.float64)
     batch = micro_batch(ADV, MASK, old_logprobs=old)
     logp = torch.zeros(2, 2, dtype=torch.float64)
-    loss, m = build("dapo", mu=2).loss(logp, batch, TOTALS)
+    loss, m = build("dapo").loss(logp, batch, TOTALS)
     assert loss.item() == pytest.approx((-1.28 - 1 - 0.5) / 3)
     assert m["clip/high_frac"].item() == pytest.approx(1 / 3) and m["ratio/token_max"].item() == pytest.approx(1.5)
-    loss, _ = build("grpo", mu=2, beta=0.0).loss(logp, batch, TOTALS)
+    loss, _ = build("grpo", beta=0.0).loss(logp, batch, TOTALS)
     assert loss.item() == pytest.approx((-(1.2 + 1) / 2 - 0.5) / 2)
 
 
@@ -233,7 +321,7 @@ def test_gradient_matches_naive_loop(name, cfg, agg):
     start = old + 0.8 * torch.randn(n, length, generator=gen, dtype=torch.float64)  # ratios on both sides of clips
     adv = torch.randn(n, generator=gen, dtype=torch.float64)  # [n]
     totals = StepTotals(sequences=7, tokens=int(mask.sum()) + 5)  # this micro-batch is part of a bigger step
-    objective = build(name, mu=2, max_completion_length=6, **cfg)
+    objective = build(name, max_completion_length=6, **cfg)
     spec = objective.policy_loss
 
     logp = start.clone().requires_grad_()
@@ -280,7 +368,7 @@ def assert_micro_batches_sum_to_the_step(objective, seed: int) -> dict:
 
 @pytest.mark.parametrize("name", ALGOS)
 def test_micro_batches_sum_to_the_step_loss_and_metrics(name):
-    whole_m = assert_micro_batches_sum_to_the_step(build(name, mu=2, max_completion_length=5), seed=3)
+    whole_m = assert_micro_batches_sum_to_the_step(build(name, max_completion_length=5), seed=3)
     assert {k for k in whole_m if k.endswith(("_min", "_max"))} == {"ratio/token_min", "ratio/token_max"}
 
 

@@ -207,7 +207,7 @@ PAIRS = [
 @pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg"), PAIRS)
 def test_one_micro_batch_loss_gradient_and_metrics_match_trl(gen, name, cfg, loss_type, trl_cfg):
     logp, old, ref, adv, mask = random_rollout(gen)
-    objective = build(name, mu=2, max_completion_length=mask.shape[1], **cfg)
+    objective = build(name, max_completion_length=mask.shape[1], **cfg)
     totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
     loss, grad, metrics = gpo_loss(objective, logp, adv, mask, old, ref, totals)
     trl, trl_grad, trl_metrics = trl_loss(logp, adv, mask, old, ref, loss_type=loss_type,
@@ -239,7 +239,7 @@ def split_rows(*tensors, parts):
 def test_equal_micro_batches_with_accumulation_match_trl(gen, name, cfg, loss_type, trl_cfg):
     """grpo, dapo and dr_grpo over 3 accumulation steps of equal row counts (token counts differ)."""
     logp, old, ref, adv, mask = random_rollout(gen, n=9)
-    objective = build(name, mu=2, max_completion_length=mask.shape[1], **cfg)
+    objective = build(name, max_completion_length=mask.shape[1], **cfg)
     totals = StepTotals(sequences=9, tokens=int(mask.sum()))
     ours = trl = 0.0
     for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=3):
@@ -252,7 +252,7 @@ def test_equal_micro_batches_with_accumulation_match_trl(gen, name, cfg, loss_ty
 def test_dapo_across_ranks_trl_normaliser_is_tokens_over_world_size(gen):
     """Difference 3: per rank, TRL's loss is world_size x gpo's share; DDP's mean of TRL's = the sum of gpo's."""
     logp, old, ref, adv, mask = random_rollout(gen, n=8)
-    objective = build("dapo", mu=2, max_completion_length=mask.shape[1])
+    objective = build("dapo", max_completion_length=mask.shape[1])
     totals = StepTotals(sequences=8, tokens=int(mask.sum()))  # all-reduced over both ranks
     ours, trl = [], []
     for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=2):
@@ -274,7 +274,7 @@ def test_unequal_micro_batches_bnpo_and_dr_grpo_are_local_in_trl(gen):
     totals = StepTotals(sequences=8, tokens=int(mask.sum()))
     rows = (slice(0, 2), slice(2, 8))  # 2 rows and 6 rows
     for name, cfg, loss_type in (("grpo", {"loss_agg": "token_mean", "beta": 0.0}, "bnpo"), ("dr_grpo", {}, "dr_grpo")):
-        objective = build(name, mu=2, max_completion_length=length, **cfg)
+        objective = build(name, max_completion_length=length, **cfg)
         ours = sum(gpo_loss(objective, logp[r], adv[r], mask[r], old[r], ref[r], totals)[0] for r in rows)
         trl = sum(trl_loss(logp[r], adv[r], mask[r], old[r], ref[r], loss_type=loss_type, accumulation=2,
                            max_completion_length=length)[0] for r in rows)
@@ -309,7 +309,7 @@ def family_rollout(gen, scale, n=8):
 @pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg", "scale"), FAMILY_PAIRS, ids=FAMILY_IDS)
 def test_family_one_micro_batch_loss_and_gradient_match_trl(gen, name, cfg, loss_type, trl_cfg, scale):
     logp, old, ref, adv, mask = family_rollout(gen, scale)
-    objective = build(name, mu=2, **cfg)
+    objective = build(name, **cfg)
     totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
     loss, grad, metrics = gpo_loss(objective, logp, adv, mask, old, ref, totals)
     trl, trl_grad, trl_metrics = trl_loss(logp, adv, mask, old, ref, loss_type=loss_type, **trl_cfg)
@@ -337,7 +337,7 @@ def test_gspo_clips_some_sequences_and_not_others(gen):
 @pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg", "scale"), FAMILY_PAIRS, ids=FAMILY_IDS)
 def test_family_equal_micro_batches_with_accumulation_match_trl(gen, name, cfg, loss_type, trl_cfg, scale):
     logp, old, ref, adv, mask = family_rollout(gen, scale, n=9)
-    objective = build(name, mu=2, **cfg)
+    objective = build(name, **cfg)
     totals = StepTotals(sequences=9, tokens=int(mask.sum()))
     ours, trl, grads, trl_grads = 0.0, 0.0, [], []
     for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=3):
@@ -356,7 +356,7 @@ def test_family_across_two_ranks_match_trl(gen, name, cfg, loss_type, trl_cfg, s
     """Each rank's TRL loss (and gradient) is 2x gpo's share: TRL's normaliser is per rank (its sequences, or
     tokens / world_size), gpo's is the step's, and the engine multiplies by world_size before DDP's mean."""
     logp, old, ref, adv, mask = family_rollout(gen, scale, n=8)
-    objective = build(name, mu=2, **cfg)
+    objective = build(name, **cfg)
     totals = StepTotals(sequences=8, tokens=int(mask.sum()))  # all-reduced over both ranks
     shares = []
     for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=2):
@@ -421,7 +421,7 @@ def test_rloo_loss_and_gradient_match_trl(gen, parts):
     logp = old + 0.02 * (logp - old)  # sequence ratios multiply 1-7 token ratios: keep most inside the clip
     logp[2:4, 0] += torch.tensor([0.5, -0.5], dtype=logp.dtype)  # and push two rows out of it, one on each side
     adv[mask.sum(1) == 0] = 0.0
-    objective = build("rloo", mu=2)
+    objective = build("rloo")
     totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
     ours, trl, grads, trl_grads = 0.0, 0.0, [], []
     for lp, o, a, m in split_rows(logp, old, adv, mask, parts=parts):

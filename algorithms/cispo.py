@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from gpo import ops
-from gpo.algorithms.base import BaseObjective, ClipRange, ObjectiveConfig, StdScaledAdvantages
+from gpo.algorithms.base import BaseObjective, ObjectiveConfig, StdScaledAdvantages
 from gpo.registry import register
 from gpo.schema import NonNegative, Rate
 
 
 @dataclass(frozen=True)
-class CISPOConfig(ObjectiveConfig, ClipRange, StdScaledAdvantages):
+class CISPOConfig(ObjectiveConfig, StdScaledAdvantages):
+    # Bounds of the detached importance weight, not a clip range of the gradient (so not base.ClipRange's fields).
     epsilon_low: Rate | None = None  # weight clipped below at 1 - epsilon_low; null: no lower bound (paper, TRL)
     epsilon_high: NonNegative = 4.0  # weight capped at 1 + epsilon_high = 5.0 (TRL's recommended cap)
     beta: NonNegative = 0.0  # KL coefficient; 0 loads no reference model

@@ -19,7 +19,9 @@ The advantage epsilon is 1e-6, the value in the paper's code (verl); TRL uses 1e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 from torch import Tensor
@@ -58,6 +60,7 @@ class DAPO(BaseObjective):
     def __init__(self, cfg: DAPOConfig, max_completion_length: int | None = None) -> None:
         super().__init__(cfg, max_completion_length)
         self.buffer = cfg.overlong_buffer
+        self.penalty: Callable[[Tensor], Tensor] | None = None  # lengths [B, G] -> reward added [B, G]
         if cfg.overlong_penalty:
             if max_completion_length is None:
                 raise UserError(
@@ -70,13 +73,13 @@ class DAPO(BaseObjective):
                     f"algo.overlong_buffer must be in 1..train.max_completion_length={max_completion_length}, "
                     f"got {self.buffer}."
                 )
+            self.penalty = partial(ops.overlong_penalty, max_length=max_completion_length, buffer=self.buffer,
+                                   factor=cfg.overlong_factor)
 
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
-        if not self.cfg.overlong_penalty:
+        if self.penalty is None:
             return rewards
-        penalty = ops.overlong_penalty(lengths, self.max_completion_length, self.buffer,
-                                       self.cfg.overlong_factor)  # [B, G]
-        return rewards + penalty.to(rewards.dtype)
+        return rewards + self.penalty(lengths).to(rewards.dtype)  # [B, G]
 
     def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
         if not self.cfg.dynamic_sampling:

@@ -11,7 +11,7 @@ from pydantic import TypeAdapter, ValidationError
 from test_ops import LN2, micro_batch
 
 from gpo import ops, registry
-from gpo.algorithms.base import BaseObjective, ObjectiveConfig
+from gpo.algorithms.base import BaseObjective, ObjectiveConfig, PPOClip, StdScaledAdvantages
 from gpo.errors import UserError
 from gpo.types import StepTotals
 
@@ -132,6 +132,28 @@ def test_every_objective_derives_from_the_base_and_keeps_the_shared_parts():
             assert objective.group_filter(REWARDS, {"accuracy": REWARDS}).tolist() == [True, True, True]
         if "loss_mask" not in replaced:
             assert objective.loss_mask(batch) is batch.completion_mask
+
+
+def test_an_objective_that_replaces_no_part_trains_as_grpo():
+    """What a new objective's file holds is only what differs from GRPO: with nothing replaced, it is GRPO."""
+
+    @dataclasses.dataclass(frozen=True)
+    class PlainConfig(ObjectiveConfig, PPOClip, StdScaledAdvantages):
+        pass
+
+    class Plain(BaseObjective):
+        """GRPO's parts, nothing replaced."""
+
+    plain, grpo = Plain(PlainConfig(), max_completion_length=8), build("grpo")
+    assert torch.equal(plain.advantages(REWARDS), grpo.advantages(REWARDS))
+    gen = torch.Generator().manual_seed(11)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    old = -torch.rand(3, 3, generator=gen, dtype=torch.float64)
+    logp = old + 0.4 * torch.randn(3, 3, generator=gen, dtype=torch.float64)
+    batch = micro_batch([1.0, -0.5, 0.7], mask, old_logprobs=old, ref_logprobs=old.flip(1))
+    (loss, metrics), (grpo_loss, grpo_metrics) = (o.loss(logp, batch, StepTotals(3, 6)) for o in (plain, grpo))
+    assert loss.item() == grpo_loss.item() and metrics.keys() == grpo_metrics.keys()
+    assert metrics["kl/mean"] > 0 and metrics["clip/high_frac"] + metrics["clip/low_frac"] > 0  # not vacuous
 
 
 SHARED_BAD = [  # (field, a value its maths refuses); each objective's config that has the field refuses it

@@ -34,8 +34,8 @@ from gpo import ops
 from gpo.schema import Ge, Gt, NonNegative, Positive, Rate
 from gpo.types import RolloutBatch, StepTotals
 
-ImportanceCap = Annotated[float, Ge(1)]  # a truncation below 1 would shrink weights that are exactly 1 on-policy
-DualClip = Annotated[float, Gt(1)]  # the cap -A*c must lie above PPO's clipped loss -A*(1 - eps)
+ImportanceCap = Annotated[float, Ge(1)]  # a cap below 1 would shrink weights that are 1 where sampler = trainer
+DualClip = Annotated[float, Gt(1)]  # the cap -A*c, c > 1: with c <= 1 even on-policy tokens (ratio 1) were capped
 
 
 @dataclass(frozen=True)

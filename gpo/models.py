@@ -17,7 +17,7 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +157,77 @@ def load_policy(cfg: ModelConfig, trainable: bool = True) -> Any:
     return model
 
 
+# --- the policy as a plain model (saving, and generators with their own weights) -----------------------------
+
+PEFT_PREFIX = "base_model.model."  # where a peft model keeps the wrapped model's names
+
+
+def has_adapter(model: Any) -> bool:
+    """True for a peft model (a LoRA adapter on the policy, model.lora_rank > 0)."""
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+def plain_weights(model: Any, state: Mapping[str, Any] | None = None) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs of the policy as a plain transformers model, in its checkpoint's names.
+
+    A LoRA adapter is folded in: W + (B @ A) * scaling for each active adapter not already merged, computed beside
+    the model, which is left untouched (no merge / unmerge round trip that would round the frozen base weights);
+    the adapter's own tensors are left out. Without an adapter the model's parameters are passed through.
+    `state` (names as the model's `state_dict`, e.g. the full tensors ZeRO-3 gathers) is read instead of the live
+    parameters; without it, tensors tied to another parameter (a tied LM head) appear once, as in
+    `named_parameters`. The one place gpo turns a trained policy into plain weights: `export_model` saves them and
+    the vLLM backend loads them into its engine.
+    """
+    tensors = dict(state) if state is not None else {n: p.detach() for n, p in model.named_parameters()}
+    if not has_adapter(model):
+        yield from tensors.items()
+        return
+    deltas = {f"{name}.base_layer.weight": delta for name, delta in _lora_deltas(model, tensors)}
+    for name, tensor in tensors.items():
+        if "lora_" in name:
+            continue
+        if name in deltas:
+            merged = tensor.float() + deltas[name].float().to(tensor.device)
+            tensor = merged.to(tensor.dtype)
+        yield name.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."), tensor
+
+
+def _lora_deltas(model: Any, tensors: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(module name, B @ A * scaling summed over the module's active, unmerged adapters) per LoRA layer."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or module.disable_adapters:
+            continue
+        if not isinstance(module, Linear) or any(module.use_dora.get(a, False) for a in module.active_adapters):
+            raise UserError(f"cannot fold the adapter of `{name}` ({type(module).__name__}) into its weights: gpo "
+                            "merges LoRA on linear layers only. Keep model.lora_target_modules to linear projections "
+                            "(the default q_proj, k_proj, v_proj, o_proj).")
+        total = None
+        for adapter in module.active_adapters:
+            if adapter not in module.lora_A or adapter in module.merged_adapters:
+                continue  # a merged adapter is already inside the base weight
+            a = tensors[f"{name}.lora_A.{adapter}.weight"].float()
+            b = tensors[f"{name}.lora_B.{adapter}.weight"].float()
+            delta = b @ a
+            delta = (delta.T if module.fan_in_fan_out else delta) * module.scaling[adapter]
+            total = delta if total is None else total + delta
+        if total is not None:
+            yield name, total
+
+
+def export_model(model: Any, target: str | os.PathLike, state: Mapping[str, Any] | None = None) -> None:
+    """Save the policy as a plain transformers model that any backend loads: a LoRA adapter folded in (the model
+    itself is left as it is, so training can go on). `state`: full tensors in place of the parameters (ZeRO-3)."""
+    from gpo.parallel import defer_deepspeed_import
+
+    defer_deepspeed_import()  # save_pretrained would import DeepSpeed to unwrap, though nothing here uses it
+    if not has_adapter(model):
+        model.save_pretrained(target, state_dict=dict(state) if state is not None else None)
+        return
+    model.get_base_model().save_pretrained(target, state_dict=dict(plain_weights(model, state)))
+
+
 def _check_architecture(directory: Path) -> None:
     """A config.json that transformers can read: valid JSON, and a `model_type` it knows or code of its own."""
     config_file = directory / "config.json"
@@ -266,6 +337,9 @@ def _cached_gguf(gguf: Path, packaged: PackagedModel | None = None) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    from gpo.parallel import defer_deepspeed_import
+
+    defer_deepspeed_import()  # save_pretrained would import DeepSpeed (seconds, and its warning) to unwrap the model
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     tmp.replace(target)  # atomic: a concurrent or interrupted conversion never leaves a half-written cache

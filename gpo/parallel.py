@@ -193,9 +193,13 @@ def accumulating(accelerator: Any, module: Any, last: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def gathered(accelerator: Any, model: nn.Module) -> Iterator[None]:
-    """Full parameters for the duration (ZeRO-3 generation and evaluation); nothing to do otherwise."""
-    if not zero3(accelerator):
+def gathered(accelerator: Any, model: nn.Module, needed: bool = True) -> Iterator[None]:
+    """Full parameters for the duration (ZeRO-3 generation and evaluation); nothing to do otherwise.
+
+    `needed=backend.generates_with_policy`: a generator with its own weights (vLLM) runs no forward of the policy
+    while it generates, so nothing is gathered for it (it gathers for its weight sync through `full_parameters`).
+    """
+    if not needed or not zero3(accelerator):
         yield
         return
     with full_parameters(model):

@@ -26,10 +26,10 @@ def main() -> None:
 
     import torch
 
-    from gpo.config import compose, section
+    from gpo.config import compose
     from gpo.models import load_policy
 
-    model = load_policy(section(compose([f"model.path={args.model}", "tracker=none", *args.set]), "model"))
+    model = load_policy(compose([f"model.path={args.model}", "tracker=none", *args.set]).model)
     params = [q for q in model.parameters() if q.requires_grad]
     for q in params:
         q.grad = torch.randn_like(q) * 1e-3

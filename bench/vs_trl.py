@@ -47,7 +47,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from gpo import registry
-    from gpo.config import compose, section
+    from gpo.config import compose
     from gpo.models import load_policy, load_tokenizer
     from gpo.sampler import QuestionStream
 
@@ -72,7 +72,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         def on_step_end(self, *a, **k):
             self.seconds.append(time.perf_counter() - self.t0)
 
-    model_cfg = section(compose([f"model.path={args.model}", "tracker=none"]), "model")
+    model_cfg = compose([f"model.path={args.model}", "tracker=none"]).model
     tokenizer = load_tokenizer(model_cfg)
     accumulation = args.questions * args.group // args.micro_batch
     config = GRPOConfig(

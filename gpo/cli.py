@@ -119,15 +119,8 @@ def _run(args: argparse.Namespace) -> int:
         print(to_yaml(cfg), end="")
         return 0
     from gpo import launch
-    from gpo.config import section
 
-    engine = section(cfg, "engine")
-    if launch.needs_launch(engine):
-        return launch.relaunch(engine, [*args.args, *(f for c in args.config for f in ("--config", c))])
-    from gpo.engine import train
-
-    train(cfg)
-    return 0
+    return launch.run(cfg, [*args.args, *(f for c in args.config for f in ("--config", c))])
 
 
 def _config(args: argparse.Namespace) -> int:

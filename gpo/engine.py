@@ -7,7 +7,6 @@ only calls the component interfaces of gpo/types.py; it never names an algorithm
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import signal
@@ -20,15 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from gpo import checkpoint, registry
-from gpo.config import section, to_object, to_yaml
-from gpo.distributed import (all_gather_batch, all_reduce_sum, all_reduce_values, from_rank_zero, keep_divisible,
+from gpo import checkpoint
+from gpo.build import build
+from gpo.config import to_yaml
+from gpo.distributed import (all_gather_batch, all_reduce_sum, all_reduce_values, from_rank_zero,
                              peer_failures_explained, shard, world)
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
-from gpo.models import load_policy, load_tokenizer
+from gpo.models import export_model
 from gpo.ops import advantage_metrics
 from gpo.parallel import (accumulating, build_accelerator, full_state_dict, gathered, prepare_policy,
                           prepare_reference)
@@ -38,22 +37,18 @@ from gpo.rollout import completion_tokens, decode_completions, encode_prompts, g
 from gpo.rollout_phases import (CONTINUATION_SEED, Call, RoundLedger, joined, ledger, phase_calls, rank_share,
                                 rewards_by_question, selection_metrics, whole_groups)
 from gpo.sampler import QuestionStream
-from gpo.tracking import NullTracker
+from gpo.run_config import RunConfig, as_dict
 from gpo.types import RolloutBatch, Sampling, StepTotals
 
 
 class Engine:
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         from accelerate.utils import set_seed
 
         self.cfg = cfg
-        self.train_cfg, self.optim_cfg = section(cfg, "train"), section(cfg, "optim")
-        self.eval_cfg, self.ckpt_cfg = section(cfg, "eval"), section(cfg, "checkpoint")
-        model_cfg, engine_cfg = section(cfg, "model"), section(cfg, "engine")
+        self.train_cfg, self.optim_cfg, self.eval_cfg, self.ckpt_cfg = cfg.train, cfg.optim, cfg.eval, cfg.checkpoint
         T = self.train_cfg
-        if T.group_size < 2:
-            raise UserError(f"train.group_size must be >= 2 (group-relative advantages), got {T.group_size}.")
-        self.accelerator = build_accelerator(engine_cfg, T, self.optim_cfg)
+        self.accelerator = build_accelerator(cfg.engine, T, self.optim_cfg)
         self.rank, self.world_size = world()
         set_seed(cfg.seed)
         self.run_name = from_rank_zero(cfg.run_name or "-".join(  # a default name holds the time: rank 0's for all
@@ -61,21 +56,13 @@ class Engine:
         ))
         self.run_dir = Path(cfg.output_dir) / self.run_name
 
-        self.objective = self._build("algo", max_completion_length=T.max_completion_length)
-        self.selector = self._build("selector")
-        self.pruner = self._build("pruner")
-        self.allocator = self._build("allocator")
-        self.task = self._build("task")
-        self.tracker = self._build("tracker", run_dir=str(self.run_dir)) if self.rank == 0 else NullTracker()
-
-        self.tokenizer = load_tokenizer(model_cfg)
-        self.policy = load_policy(model_cfg)
-        self.backend = self._build("backend", model=self.policy, tokenizer=self.tokenizer)
-        self.ref = None  # loaded only when the objective uses a KL term
-        if self.objective.needs_ref_logprobs:
-            ref_model = load_policy(model_cfg, trainable=False)
-            self.ref = prepare_reference(self.accelerator,
-                                         TokenLogprobs(ref_model, T.logprob_chunk_size, T.share_prompt))
+        self.parts = build(cfg, run_dir=self.run_dir, rank=self.rank)
+        P = self.parts
+        self.objective, self.selector, self.pruner, self.allocator = P.objective, P.selector, P.pruner, P.allocator
+        self.task, self.tracker, self.tokenizer, self.policy, self.backend = (P.task, P.tracker, P.tokenizer, P.policy,
+                                                                              P.backend)
+        self.ref = None if P.reference is None else prepare_reference(
+            self.accelerator, TokenLogprobs(P.reference, T.logprob_chunk_size, T.share_prompt))
         self.sampling = Sampling(max_new_tokens=T.max_completion_length, temperature=T.temperature, top_p=T.top_p)
 
         O = self.optim_cfg
@@ -111,7 +98,7 @@ class Engine:
             spent = spent.add(round_spent)
             batch = batch.select(group_keep.repeat_interleave(T.group_size))
             # 7 prune: decided on the whole step's batch, identically on every rank
-            keep = (keep_divisible(batch.advantages.abs().cpu(), self.pruner.keep(batch), self.world_size)
+            keep = (self.pruner.keep(batch, multiple_of=self.world_size)  # every rank trains as many rows
                     if len(batch) else torch.zeros(0, dtype=torch.bool))
             candidates.append((batch, keep))
             kept_parts.append(batch.select(keep))
@@ -181,7 +168,7 @@ class Engine:
         """This rank generates and scores its share of the call; every rank returns the call's whole batch."""
         share = rank_share(len(call.questions), self.rank, self.world_size)
         mine = [examples[i] for i in call.questions[share]]
-        with timer("generate"), gathered(self.accelerator, self.policy):
+        with timer("generate"), gathered(self.accelerator, self.policy, needed=self.backend.generates_with_policy):
             prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine], self.train_cfg.max_prompt_length)
             # Seeded by the phase-wide index of this rank's first prompt (backends offset the seed per prompt), so
             # the step's samples do not depend on how many ranks share the generation.
@@ -273,9 +260,6 @@ class Engine:
         """Generation seed: a function of (run seed, step, round) only, so a resumed run samples the same."""
         return (self.cfg.seed * 1_000_003 + self.step_index * 1009 + round_index * 31) % (2**31)
 
-    def _build(self, kind: str, **context: Any) -> Any:
-        return registry.get(kind, self.cfg[kind].name).build(to_object(kind, self.cfg[kind]), **context)
-
     # ---------------------------------------------------------------------------------------------------------
     def evaluate(self, tag: str, task: Any = None, split: str | None = None) -> dict[str, float]:
         """Accuracy (greedy, or pass@k/avg/maj with eval.samples > 1) on the held-out split (validation by default:
@@ -287,7 +271,7 @@ class Engine:
         examples = list(task.load(split or E.split))
         examples = examples[: E.limit] if E.limit else examples
         sampling = sampling_for(E, self.train_cfg.max_completion_length)
-        with gathered(self.accelerator, self.policy):
+        with gathered(self.accelerator, self.policy, needed=self.backend.generates_with_policy):
             _, summary = evaluate(self.policy, self.tokenizer, self.backend, task, examples, sampling,
                                   E.batch_size, self.train_cfg.max_prompt_length, E.samples, E.pass_k)
         return {f"eval/{tag}/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
@@ -341,11 +325,8 @@ class Engine:
     def save_model(self, name: str) -> Path:
         target = self.run_dir / name
         state = full_state_dict(self.accelerator, self.module)  # collective under ZeRO-3: every rank calls it
-        if self.accelerator.is_main_process:
-            model = self.accelerator.unwrap_model(self.module).model
-            if hasattr(model, "merge_and_unload"):  # LoRA: ship a plain model that any backend can load,
-                model = copy.deepcopy(model).merge_and_unload()  # merged on a copy so training can go on
-            model.save_pretrained(target, state_dict=state)
+        if self.accelerator.is_main_process:  # LoRA folded in: a plain model that any backend can load
+            export_model(self.accelerator.unwrap_model(self.module).model, target, state)
             self.tokenizer.save_pretrained(target)
         self.accelerator.wait_for_everyone()
         return target
@@ -397,7 +378,7 @@ class Engine:
         if self.accelerator.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        self.tracker.start(self.run_name, _flatten(OmegaConf.to_container(self.cfg, resolve=True)), to_yaml(self.cfg))
+        self.tracker.start(self.run_name, _flatten(as_dict(self.cfg)), to_yaml(self.cfg))
         summary: dict[str, float] = {}
         started = time.perf_counter()
         if E.before_and_after and self.step_index == 0:
@@ -455,7 +436,7 @@ class Engine:
             self.save_model("best")
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
+def train(cfg: RunConfig) -> dict[str, float]:
     """Entry point of `gpo run`."""
     engine: Engine | None = None
     with peer_failures_explained(lambda: engine.how_to_continue() if engine else ""):
@@ -463,7 +444,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         try:
             return engine.run()
         finally:
-            getattr(engine.backend, "close", lambda: None)()  # a generator on the process group (vLLM) goes first
+            engine.parts.close()  # a generator on the process group (vLLM) goes first
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()  # ZeRO-3 aborts at exit otherwise
 
@@ -524,9 +505,7 @@ class MetricSums:
 def _scheduler(optimizer: Any, name: str, warmup_ratio: float, total: int) -> Any:
     from transformers import get_scheduler
 
-    names = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
-    if name not in names:
-        raise UserError(f"optim.schedule must be one of {', '.join(names)}, got `{name}`.")
+    names = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}  # optim.schedule's choices
     return get_scheduler(names[name], optimizer, num_warmup_steps=math.ceil(warmup_ratio * total),
                          num_training_steps=max(total, 1))
 

@@ -181,25 +181,18 @@ def summarise(records: Sequence[dict], samples: int = 1, ks: Sequence[int] = (),
 def final_tasks(cfg: Any, own_task: Task) -> list[tuple[str, Task]]:
     """eval.tasks as (name, task) pairs: the run's own task name is `own_task` (its settings); any other is built
     from its shipped YAML, with the run task's `data_dir` when both have that field (one local copy of the data)."""
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    from gpo import registry
-    from gpo.config import CONFIG_ROOT, to_object
+    from gpo.config import component
 
     out = []
     for name in cfg.eval.tasks:
         if name == cfg.task.name:
             out.append((name, own_task))
             continue
-        entry = registry.get("task", name)
-        shipped = CONFIG_ROOT / "task" / f"{name}.yaml"
-        node = OmegaConf.merge({"name": name}, OmegaConf.load(shipped) if shipped.is_file() else {})
-        fields = {f.name for f in dataclasses.fields(entry.config)}
-        if "data_dir" in fields and cfg.task.get("data_dir"):
-            node.data_dir = cfg.task.data_dir
-        out.append((name, entry.build(to_object("task", node))))
+        data_dir = getattr(cfg.task.config, "data_dir", None)
+        other = component("task", name)
+        if data_dir and hasattr(other.config, "data_dir"):
+            other = component("task", name, data_dir=data_dir)
+        out.append((name, other.build()))
     return out
 
 
@@ -214,30 +207,23 @@ def expand_shorthands(args: Sequence[str]) -> list[str]:
 
 def evaluate_from_args(args: list[str], config_files: list[str]) -> int:
     """`gpo eval model=PATH task=NAME [split=test] [limit=N] [backend=hf] [key=value ...]`."""
-    from gpo import registry
-    from gpo.config import compose, section, to_object, to_yaml
-    from gpo.models import load_policy, load_tokenizer
+    from gpo.build import build
+    from gpo.config import compose, to_yaml
 
     cfg = compose(expand_shorthands(args), config_files)
-    ev, train = section(cfg, "eval"), section(cfg, "train")
-    if ev.limit < 0:
-        raise UserError(f"limit must be >= 0 (0 = the whole split), got {ev.limit}.")
-    task = registry.get("task", cfg.task.name).build(to_object("task", cfg.task))
-    examples = list(task.load(ev.split))
-    if ev.limit:
-        examples = examples[:ev.limit]
-
-    model_cfg = section(cfg, "model")
-    tokenizer = load_tokenizer(model_cfg)
-    model = load_policy(model_cfg, trainable=False)
-    backend = registry.get("backend", cfg.backend.name).build(
-        to_object("backend", cfg.backend), model=model, tokenizer=tokenizer)
-    sampling = sampling_for(ev, train.max_completion_length)
-
-    started = time.time()
-    records, summary = evaluate(model, tokenizer, backend, task, examples, sampling, ev.batch_size,
-                                train.max_prompt_length, ev.samples, ev.pass_k)
-    summary = {"task": cfg.task.name, "split": ev.split, "model": model_cfg.path, **summary,
+    ev, train = cfg.eval, cfg.train
+    parts = build(cfg, trainable=False)
+    try:
+        examples = list(parts.task.load(ev.split))
+        if ev.limit:
+            examples = examples[:ev.limit]
+        sampling = sampling_for(ev, train.max_completion_length)
+        started = time.time()
+        records, summary = evaluate(parts.policy, parts.tokenizer, parts.backend, parts.task, examples, sampling,
+                                    ev.batch_size, train.max_prompt_length, ev.samples, ev.pass_k)
+    finally:
+        parts.close()
+    summary = {"task": cfg.task.name, "split": ev.split, "model": cfg.model.path, **summary,
                "seconds": round(time.time() - started, 2)}
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -249,8 +235,8 @@ def evaluate_from_args(args: list[str], config_files: list[str]) -> int:
     summary_file = run_dir / "summary.json"
     summary_file.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
 
-    tracker = registry.get("tracker", cfg.tracker.name).build(to_object("tracker", cfg.tracker), run_dir=run_dir)
-    tracker.start(name, {"task": cfg.task.name, "split": ev.split, "model": model_cfg.path,
+    tracker = cfg.tracker.build(run_dir=run_dir)
+    tracker.start(name, {"task": cfg.task.name, "split": ev.split, "model": cfg.model.path,
                          "limit": ev.limit, "max_new_tokens": sampling.max_new_tokens, "samples": ev.samples},
                   to_yaml(cfg))
     tracker.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, (int, float))}, step=0)

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from gpo.config import EngineConfig
+from gpo.run_config import EngineConfig, RunConfig
 from gpo.errors import UserError
 
 
@@ -26,8 +26,6 @@ def launched() -> bool:
 
 
 def needs_launch(engine: EngineConfig) -> bool:
-    if engine.num_processes < 1:
-        raise UserError(f"engine.num_processes must be >= 1, got {engine.num_processes}.")
     return engine.num_processes > 1 and not launched()
 
 
@@ -51,6 +49,17 @@ def command(engine: EngineConfig, gpo_args: list[str]) -> tuple[list[str], dict[
         if cpu:
             env["ACCELERATE_USE_CPU"] = "true"
     return [*launch, "-m", "gpo", "run", *gpo_args], env
+
+
+def run(cfg: RunConfig, gpo_args: list[str]) -> int:
+    """What `gpo run` does with a composed config, also used by each study run: train here, or start
+    engine.num_processes ranks that each run `gpo run gpo_args` (arguments that compose the same config)."""
+    if needs_launch(cfg.engine):
+        return relaunch(cfg.engine, gpo_args)
+    from gpo.engine import train
+
+    train(cfg)
+    return 0
 
 
 def relaunch(engine: EngineConfig, gpo_args: list[str]) -> int:

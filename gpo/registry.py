@@ -50,7 +50,8 @@ class Entry:
         return {f.name: _field_default(f) for f in dataclasses.fields(self.config)}
 
     def build(self, cfg: Any = None, **context: Any) -> Any:
-        """Instantiate the component with `cfg` (a config dataclass, a mapping, or None for defaults)."""
+        """Instantiate the component with `cfg` (a config dataclass, a mapping, or None for defaults). A mapping is
+        checked as the composer checks a config section: unknown keys, types, choices and ranges."""
         if cfg is None:
             cfg = self.config()
         elif not isinstance(cfg, self.config):
@@ -63,7 +64,9 @@ class Entry:
                         + did_you_mean(str(key), fields)
                         + f" Valid keys: {', '.join(fields) or '(none)'}."
                     )
-            cfg = self.config(**given)
+            from gpo.config import validated
+
+            cfg = validated(given, self.config, self.kind)
         return self.cls(cfg, **context)
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpo.pruners.ranking import top_up
 from gpo.registry import register
 
 
@@ -66,8 +67,9 @@ class EveryOther:
     def __init__(self, cfg):
         self.cfg = cfg
 
-    def keep(self, batch):
-        return (torch.arange(len(batch)) + self.cfg.offset) % 2 == 0  # [N]
+    def keep(self, batch, multiple_of=1):
+        mask = (torch.arange(len(batch)) + self.cfg.offset) % 2 == 0  # [N]
+        return top_up(mask, torch.arange(len(batch), dtype=torch.float32), multiple_of)
 
     def expected_kept_per_group(self, group_size):
         return group_size / 2

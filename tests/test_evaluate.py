@@ -100,7 +100,7 @@ def test_gpo_eval_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     from gpo.cli import main
 
     assert main(["eval", "task=arith", "limit=-1", "tracker=none", f"output_dir={tmp_path}"]) == 2
-    assert "limit must be >= 0" in capsys.readouterr().err
+    assert "`eval.limit` must be >= 0" in capsys.readouterr().err
 
 
 def test_gpo_eval_logs_to_mlflow(tmp_path: Path, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,23 +20,16 @@ def child(spec_path: str) -> int:
     try:
         from omegaconf import OmegaConf
 
-        from gpo import launch, registry
-        from gpo.config import section, validate
+        from gpo import registry
+        from gpo.config import validate
 
-        cfg = OmegaConf.create(spec["config"])
+        raw = OmegaConf.to_container(OmegaConf.create(spec["config"]), resolve=True)
         registry.load_builtins()
-        registry.load_plugins([str(m) for m in cfg.get("plugins") or []])
-        cfg = validate(cfg)
-        engine = section(cfg, "engine")
-        if launch.needs_launch(engine):  # several ranks: `gpo run` under accelerate launch, as a user would
-            ranks = True
-            code = _launch_ranks(cfg, engine, extra)
-            status, error = ("FINISHED", "") if code == 0 else ("FAILED", f"a rank exited with status {code}")
-        else:
-            from gpo.engine import train
-
-            train(cfg)
-            status = "FINISHED"
+        registry.load_plugins([str(m) for m in raw.get("plugins") or []])
+        cfg = validate(raw)
+        ranks = cfg.engine.num_processes > 1
+        code = _run(cfg, extra)
+        status, error = ("FINISHED", "") if code == 0 else ("FAILED", f"a rank exited with status {code}")
     except KeyboardInterrupt:
         status, error = "KILLED", "interrupted"
     except BaseException as exc:  # reported in the table; the traceback goes to the run's log
@@ -50,36 +43,23 @@ def child(spec_path: str) -> int:
     return 0 if status == "FINISHED" else 1
 
 
-def rank_config(cfg) -> dict:
-    """The resolved config as a `gpo run --config` file: it names each component in `defaults:`, so the composer
-    picks the same components before the resolved sections are laid over them."""
-    from omegaconf import OmegaConf
-
-    from gpo.config import COMPONENT_GROUPS
-
-    body = OmegaConf.to_container(cfg, resolve=True)
-    body["defaults"] = {kind: body[kind]["name"] for kind in COMPONENT_GROUPS}
-    return body
-
-
-def _launch_ranks(cfg, engine, extra_path: list[str]) -> int:
-    """`gpo run --config RESOLVED.yaml` on every rank, under accelerate launch. The ranks find the study's
-    plug-ins through PYTHONPATH; folders inside an installation (site-packages, such as setuptools/_vendor) are
-    left out, since PYTHONPATH would put their old vendored copies before the real packages."""
+def _run(cfg, extra_path: list[str]) -> int:
+    """The run through `gpo run`'s own path (gpo.launch.run): in this process, or as `gpo run --config RESOLVED.yaml`
+    on every rank under accelerate launch. The ranks find the study's plug-ins through PYTHONPATH; folders inside an
+    installation (site-packages, such as setuptools/_vendor) are left out, since PYTHONPATH would put their old
+    vendored copies before the real packages."""
     import os
 
-    from omegaconf import OmegaConf
-
     from gpo import launch
+    from gpo.config import layer_yaml
 
     own = [p for p in extra_path if "site-packages" not in p and "dist-packages" not in p]
     if own:
         os.environ["PYTHONPATH"] = os.pathsep.join([*own, *filter(None, [os.environ.get("PYTHONPATH")])])
-
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="gpo-study-run-", delete=False) as f:
-        OmegaConf.save(OmegaConf.create(rank_config(cfg)), f.name)
+        f.write(layer_yaml(cfg))
     try:
-        return launch.relaunch(engine, ["--config", f.name])
+        return launch.run(cfg, ["--config", f.name])
     finally:
         Path(f.name).unlink(missing_ok=True)
 

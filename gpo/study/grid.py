@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import dataclasses
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from gpo.errors import UserError, did_you_mean
+from gpo.run_config import as_dict
 
 # Sections a grid may not vary: the study sets them for every run (one directory, one MLflow store).
 RESERVED = ("run_name", "output_dir", "resume", "tracker", "study")
@@ -49,7 +50,7 @@ class PlannedRun:
     group: str  # the same without the seed: the runs of one group are replicates of each other
     seed: int
     settings: dict[str, str]  # every key=value that made it (fixed and grid), for --baseline matching
-    cfg: DictConfig  # resolved and validated, before the study's own run_name/output_dir/tracker
+    cfg: Any  # gpo.run_config.RunConfig: resolved and validated, before the study's own run_name/output_dir/tracker
 
 
 @dataclass
@@ -138,8 +139,6 @@ def parse_spec(args: list[str], config_files: list[str | Path] = (), baseline: s
             raise UserError(f"`{key}` cannot be a grid axis: the study sets it for every run.")
     chosen = _settings_of(baseline, "--baseline") if baseline else file_baseline
     options = study_options(option_layers, option_args)
-    if options.seeds < 1:
-        raise UserError(f"study.seeds must be >= 1, got {options.seeds}.")
     if options.seeds > 1:
         if any(k == SEED for k, _ in axes):
             raise UserError("give the replicate seeds once: either `seed=1,2,3` or `study.seeds=3`, not both.")
@@ -152,7 +151,7 @@ def parse_spec(args: list[str], config_files: list[str | Path] = (), baseline: s
 
 def study_options(layers: list[Any], args: list[str]) -> Any:
     """The study's own settings (gpo.config.StudyConfig), checked like any config section."""
-    from gpo.config import StudyConfig, _check
+    from gpo.config import StudyConfig, validated
 
     try:  # a file's section is the `study:` mapping itself; arguments are `study.KEY=VALUE`
         merged = OmegaConf.merge(*[OmegaConf.create({"study": layer or {}}) for layer in layers],
@@ -162,13 +161,13 @@ def study_options(layers: list[Any], args: list[str]) -> Any:
     node = merged.get("study", OmegaConf.create({}))
     if not isinstance(node, DictConfig):
         raise UserError(f"`study` must be a section of keys such as study.seeds, got {node!r}.")
-    return OmegaConf.to_object(_check(node, StudyConfig, "study"))
+    return validated(OmegaConf.to_container(node, resolve=True), StudyConfig, "study")
 
 
 def _configured_seed(layers: list[dict]) -> int:
-    from gpo.config import CONFIG_ROOT
+    from gpo.run_config import RunConfig
 
-    seed = OmegaConf.load(CONFIG_ROOT / "base.yaml").get(SEED, 42)
+    seed = next(f.default for f in dataclasses.fields(RunConfig) if f.name == SEED)
     for layer in layers:
         seed = layer.get(SEED, seed)
     return int(seed)
@@ -198,7 +197,7 @@ def plan(args: list[str], config_files: list[str | Path] = (), baseline: str | N
                 notes.append(note)
         cfg = _compose(kept_args, layers)
         label = " ".join(f"{k}={v}" for k, v in combo if k not in dropped) or "(defaults)"
-        fingerprint = json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
+        fingerprint = json.dumps(as_dict(cfg), sort_keys=True, default=str)
         if fingerprint in seen:
             original = " ".join(f"{k}={v}" for k, v in combo)
             notes.append(f"`{original}` resolves to the same config as `{seen[fingerprint].combination}`: "
@@ -291,8 +290,6 @@ def _group_names() -> tuple[str, ...]:
 
 
 def _fields(kind: str, name: str) -> list[str]:
-    import dataclasses
-
     from gpo import registry
 
     return ["name"] + [f.name for f in dataclasses.fields(registry.get(kind, name).config)]
@@ -306,7 +303,7 @@ def _picked_components(args: list[str], layers: list[dict]) -> dict[str, str]:
     plain = [o for o in overrides if o.partition("=")[0].split(".")[0] not in COMPONENT_GROUPS]
     bare = [{k: v for k, v in layer.items() if k not in COMPONENT_GROUPS} for layer in layers]
     cfg = _compose([f"{k}={v}" for k, v in picks.items()] + plain, bare)
-    return {kind: str(cfg[kind].name) for kind in COMPONENT_GROUPS}
+    return {kind: getattr(cfg, kind).name for kind in COMPONENT_GROUPS}
 
 
 def _applicable_args(args: list[str], names: dict[str, str]) -> tuple[list[str], dict[str, tuple[str, str]]]:
@@ -333,15 +330,10 @@ def _applicable_layer(layer: dict, names: dict[str, str]) -> tuple[dict, dict[st
     return out, dropped
 
 
-def _compose(args: list[str], layers: list[dict]) -> DictConfig:
+def _compose(args: list[str], layers: list[dict]) -> Any:
     from gpo.config import compose
 
-    with tempfile.TemporaryDirectory(prefix="gpo-study-") as tmp:
-        files = []
-        for i, layer in enumerate(layers):
-            files.append(Path(tmp) / f"layer{i}.yaml")
-            OmegaConf.save(OmegaConf.create(layer), files[-1])
-        return compose(args, files)
+    return compose(args, layers=layers)
 
 
 def _read_layer(path: Path) -> dict:

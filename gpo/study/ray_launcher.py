@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from gpo.run_config import as_dict
 
 from gpo.errors import UserError
 
@@ -28,7 +28,9 @@ from gpo.errors import UserError
 def _run_on_worker(config: dict, run_dir: str, sys_path: list[str]) -> tuple[Any, Path]:
     from gpo.study.runner import run_child
 
-    return run_child(OmegaConf.create(config), Path(run_dir), sys_path=sys_path)
+    from gpo.config import validate
+
+    return run_child(validate(config), Path(run_dir), sys_path=sys_path)
 
 
 def require() -> Any:
@@ -40,7 +42,7 @@ def require() -> Any:
     return ray
 
 
-def run_all(runs: list, configs: dict[int, DictConfig], options: Any) -> Iterator[tuple[Any, Any, Path]]:
+def run_all(runs: list, configs: dict[int, Any], options: Any) -> Iterator[tuple[Any, Any, Path]]:
     """Yield (run, outcome, log path) as the Ray tasks finish."""
     ray = require()
     if not ray.is_initialized():
@@ -51,7 +53,7 @@ def run_all(runs: list, configs: dict[int, DictConfig], options: Any) -> Iterato
     for run in runs:
         cfg = configs[run.index]
         resources = {"num_cpus": options.cpus_per_run, "num_gpus": int(cfg.engine.num_processes) if gpus else 0}
-        ref = task.options(**resources).remote(OmegaConf.to_container(cfg, resolve=True),
+        ref = task.options(**resources).remote(as_dict(cfg),
                                                str(Path(cfg.output_dir) / cfg.run_name), list(sys.path))
         pending[ref] = run
     try:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from gpo.config import component
+from gpo.run_config import Component, RunConfig, as_dict
 
 from gpo.errors import UserError
 from gpo.study import store
@@ -75,9 +76,9 @@ def study_from_args(args: list[str], config_files: list[str] = (), baseline: str
     tracker = first.tracker
     if tracker.name != "mlflow":
         _say(f"a study tracks every run in one MLflow store: tracker `{tracker.name}` is replaced by mlflow.")
-        tracker = OmegaConf.create({"name": "mlflow"})
-    uri = tracker.get("uri") or f"sqlite:///{(study_dir / 'mlflow.db').resolve()}"
-    experiment = tracker.get("experiment") or "gpo"
+        tracker = component("tracker", "mlflow")
+    uri = tracker.config.uri or f"sqlite:///{(study_dir / 'mlflow.db').resolve()}"
+    experiment = tracker.config.experiment or "gpo"
     _say(f"study of {len(the_plan.runs)} runs in {study_dir}")
     for note in the_plan.notes:
         _say(note)
@@ -167,28 +168,25 @@ def _set_aside(client: Any, experiment_id: str, parent: str, run: PlannedRun, ru
 
 
 def _study_config(run: PlannedRun, the_plan: Plan, study_dir: Path, uri: str, experiment: str, parent: str,
-                  tracker: DictConfig) -> DictConfig:
+                  tracker: Component) -> RunConfig:
     """The run's config with the study's run name, directory and shared MLflow store."""
     from gpo.config import validate
 
-    cfg = run.cfg.copy()
     slug = re.sub(r"[^\w.=-]+", "_", run.combination)[:80]
-    cfg.run_name = f"{run.index:02d}-{slug}"
-    cfg.output_dir = str(study_dir)
-    tags = {**(OmegaConf.to_container(tracker.tags) if tracker.get("tags") else {}),
+    tags = {**dict(tracker.config.tags or {}),
             TAG_PARENT: parent, TAG_INDEX: str(run.index), TAG_COMBINATION: run.combination, TAG_GROUP: run.group}
     if run.group == the_plan.runs[the_plan.baseline].group:
         tags[TAG_BASELINE] = "true"
-    kept = {k: v for k, v in OmegaConf.to_container(tracker).items() if k not in ("uri", "parent_run_id", "tags")}
-    cfg.tracker = {**kept, "name": "mlflow", "uri": uri, "experiment": experiment, "parent_run_id": parent,
-                   "tags": tags}
-    return validate(cfg)
+    kept = {k: v for k, v in as_dict(tracker).items() if k not in ("uri", "parent_run_id", "tags")}
+    return validate({**as_dict(run.cfg), "run_name": f"{run.index:02d}-{slug}", "output_dir": str(study_dir),
+                     "tracker": {**kept, "name": "mlflow", "uri": uri, "experiment": experiment,
+                                 "parent_run_id": parent, "tags": tags}})
 
 
 # --- executing runs -----------------------------------------------------------------------------------------------
 
 
-def _execute(runs: list[PlannedRun], configs: dict[int, DictConfig], options: Any, study_dir: Path):
+def _execute(runs: list[PlannedRun], configs: dict[int, RunConfig], options: Any, study_dir: Path):
     """Yield (run, outcome, log path) as runs finish: in order when parallel=1, else as they complete."""
     if options.launcher == "ray":
         from gpo.study.ray_launcher import run_all
@@ -217,7 +215,7 @@ def _execute(runs: list[PlannedRun], configs: dict[int, DictConfig], options: An
                 yield future.result()
 
 
-def _devices_needed(cfg: DictConfig) -> int:
+def _devices_needed(cfg: RunConfig) -> int:
     return int(cfg.engine.num_processes)
 
 
@@ -260,7 +258,7 @@ class DevicePool:
         return Lease()
 
 
-def run_child(cfg: DictConfig, run_dir: Path, devices: list[int] | None = None,
+def run_child(cfg: RunConfig, run_dir: Path, devices: list[int] | None = None,
               sys_path: list[str] | None = None) -> tuple[Outcome, Path]:
     """Train one run in a fresh interpreter; its stdout and stderr go to `<run_dir>/study.log`. `sys_path`: the
     study's import path (where its plug-ins are found), when this runs elsewhere (a Ray worker)."""
@@ -293,7 +291,7 @@ def run_child(cfg: DictConfig, run_dir: Path, devices: list[int] | None = None,
     return Outcome("FAILED", error, None, None), log_path
 
 
-def _record(client: Any, experiment_id: str, parent: str, run: PlannedRun, cfg: DictConfig, outcome: Outcome) -> str:
+def _record(client: Any, experiment_id: str, parent: str, run: PlannedRun, cfg: RunConfig, outcome: Outcome) -> str:
     """The run's MLflow id, with peak memory and any error attached. A run that failed before it reached
     MLflow gets a FAILED run of its own, so every row of the grid lives in the store."""
     from mlflow.entities import Param
@@ -308,9 +306,9 @@ def _record(client: Any, experiment_id: str, parent: str, run: PlannedRun, cfg: 
         if outcome.status != "FINISHED" and found[0].info.status == "RUNNING":  # the process died mid-run
             client.set_terminated(run_id, outcome.status)
     else:
-        tags = {**OmegaConf.to_container(cfg.tracker.tags), MLFLOW_PARENT_RUN_ID: parent}
+        tags = {**dict(cfg.tracker.config.tags or {}), MLFLOW_PARENT_RUN_ID: parent}
         run_id = client.create_run(experiment_id, run_name=cfg.run_name, tags=tags).info.run_id
-        params = sorted(flatten(OmegaConf.to_container(cfg, resolve=True)).items())
+        params = sorted(flatten(as_dict(cfg)).items())
         for lo in range(0, len(params), 100):
             client.log_batch(run_id, params=[Param(k, param_value(v)) for k, v in params[lo:lo + 100]])
         client.set_terminated(run_id, outcome.status)

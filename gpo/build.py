@@ -1,0 +1,62 @@
+"""One way from a run config to working parts: `build(cfg)` is what the engine, `gpo eval`, `gpo study` and the
+benchmarks use, so a component is constructed with the same context everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpo.run_config import RunConfig
+from gpo.types import Allocator, Backend, Objective, Pruner, Selector, Task, Tracker
+
+
+@dataclass
+class Components:
+    """The run's parts. `reference` is the frozen KL model, loaded only when the objective has a KL term."""
+
+    objective: Objective
+    selector: Selector
+    pruner: Pruner
+    allocator: Allocator
+    task: Task
+    tracker: Tracker
+    tokenizer: Any
+    policy: Any
+    reference: Any
+    backend: Backend
+
+    def close(self) -> None:
+        """Free what the parts hold outside Python (a generator's process group, a task's worker processes)."""
+        for part in (self.backend, self.task):
+            part.close()
+
+
+def build_parts(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0) -> dict[str, Any]:
+    """The components that need no model: objective, selector, pruner, allocator, task and (rank 0) tracker."""
+    from gpo.tracking import NullTracker
+
+    return {
+        "objective": cfg.algo.build(max_completion_length=cfg.train.max_completion_length),
+        "selector": cfg.selector.build(),
+        "pruner": cfg.pruner.build(),
+        "allocator": cfg.allocator.build(),
+        "task": cfg.task.build(),
+        "tracker": cfg.tracker.build(run_dir=str(run_dir)) if rank == 0 and run_dir is not None else NullTracker(),
+    }
+
+
+def build(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable: bool = True) -> Components:
+    """Every part of a run: components, tokenizer, policy (trainable unless evaluating), reference, backend.
+
+    Under ZeRO-3 the accelerator must exist first (models are then loaded partitioned); the engine builds it and
+    then calls this."""
+    from gpo.models import load_policy, load_tokenizer
+
+    parts = build_parts(cfg, run_dir, rank)
+    tokenizer = load_tokenizer(cfg.model)
+    policy = load_policy(cfg.model, trainable=trainable)
+    reference = (load_policy(cfg.model, trainable=False)
+                 if trainable and parts["objective"].needs_ref_logprobs else None)
+    backend = cfg.backend.build(model=policy, tokenizer=tokenizer)
+    return Components(**parts, tokenizer=tokenizer, policy=policy, reference=reference, backend=backend)

@@ -14,9 +14,11 @@ cannot be changed behind the composer's back.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 from annotated_types import Ge, Gt, Le, Lt
+from pydantic import AfterValidator
 
 PositiveInt = Annotated[int, Ge(1)]
 NonNegativeInt = Annotated[int, Ge(0)]
@@ -25,4 +27,18 @@ NonNegative = Annotated[float, Ge(0)]
 Rate = Annotated[float, Ge(0), Lt(1)]  # a fraction that leaves something: pruning rates, drop rates
 Fraction = Annotated[float, Ge(0), Le(1)]  # a probability or share, both ends allowed
 
-__all__ = ["Fraction", "Ge", "Gt", "Le", "Lt", "NonNegative", "NonNegativeInt", "Positive", "PositiveInt", "Rate"]
+
+def _existing_dir(value: str) -> str:
+    if not Path(value).expanduser().is_dir():
+        what = "is a file, not a directory" if Path(value).expanduser().exists() else "does not exist"
+        raise ValueError(f"`{value}` {what}. Point it at an existing local directory (relative paths are read "
+                         "from the directory gpo runs in), or leave it unset.")
+    return value
+
+
+# A local directory that must exist when the config is composed (a task's data_dir), kept as the text given:
+# a typo fails `--dry-run` instead of the first read, after the model has loaded.
+ExistingDir = Annotated[str, AfterValidator(_existing_dir)]
+
+__all__ = ["ExistingDir", "Fraction", "Ge", "Gt", "Le", "Lt", "NonNegative", "NonNegativeInt", "Positive",
+           "PositiveInt", "Rate"]

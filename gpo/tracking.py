@@ -30,6 +30,7 @@ from typing import Any
 
 from gpo.errors import UserError
 from gpo.registry import register
+from gpo.schema import NonNegativeInt, Positive
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ FALLBACK_FILE = "metrics.jsonl"
 RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 
-@dataclass
+@dataclass(frozen=True)
 class NullConfig:
     pass
 
@@ -102,15 +103,15 @@ def batches(items: list[Any], size: int) -> Iterator[list[Any]]:
 # --- mlflow -----------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class MlflowConfig:
     uri: str | None = None  # tracking URI; None = sqlite:///<run_dir>/mlflow.db, artifacts in <run_dir>/mlartifacts
     experiment: str = "gpo"
     parent_run_id: str | None = None  # studies: log this run as a child of that run (needs `uri`: the same store)
-    tags: dict[str, str] = field(default_factory=dict)
-    probe_timeout_s: float = 2.0  # an http(s) server that does not answer /health within this is treated as down
-    request_timeout_s: float = 10.0  # per MLflow HTTP request once the run is going
-    request_retries: int = 1  # MLflow's default (7, exponential backoff) can stall a training step for minutes
+    tags: dict[str, str] = field(default_factory=dict)  # a mapping: read only, never changed after composing
+    probe_timeout_s: Positive = 2.0  # an http(s) server that does not answer /health within this is treated as down
+    request_timeout_s: Positive = 10.0  # per MLflow HTTP request once the run is going
+    request_retries: NonNegativeInt = 1  # MLflow's default (7, exponential backoff) can stall a step for minutes
 
 
 @register("tracker", "mlflow", config=MlflowConfig)
@@ -135,10 +136,6 @@ class MlflowTracker:
                 "tracker.parent_run_id needs tracker.uri: the parent run must live in the same store as its "
                 "children, and the default store is private to each run directory."
             )
-        if cfg.probe_timeout_s <= 0 or cfg.request_timeout_s <= 0:
-            raise UserError("tracker.probe_timeout_s and tracker.request_timeout_s must be > 0.")
-        if cfg.request_retries < 0:
-            raise UserError(f"tracker.request_retries must be >= 0, got {cfg.request_retries}.")
         self.run_dir = Path(run_dir).resolve()
         self.local_store = cfg.uri is None
         self.uri = f"sqlite:///{self.run_dir / 'mlflow.db'}" if self.local_store else cfg.uri

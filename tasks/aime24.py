@@ -6,18 +6,18 @@ answers as the Hub dataset HuggingFaceH4/aime_2024, read by default). Answers ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpo.registry import register
 from gpo.tasks.competition import SYSTEM_PROMPT, CompetitionSet
-from gpo.tasks.data import DataSource
+from gpo.tasks.data import BadRows, DataDir, DataSource
 
 
-@dataclass
+@dataclass(frozen=True)
 class AIME24Config:
-    test: DataSource = field(default_factory=lambda: DataSource("HuggingFaceH4/aime_2024", None, "train"))
-    data_dir: str | None = None  # a local copy laid out like ../shared/data (aime24/test.jsonl); wins when set
-    bad_rows: str = "error"  # error | skip
+    test: DataSource = DataSource("HuggingFaceH4/aime_2024", None, "train")
+    data_dir: DataDir | None = None  # a local copy laid out like ../shared/data (aime24/test.jsonl); wins when set
+    bad_rows: BadRows = "error"
     system_prompt: str = SYSTEM_PROMPT
 
 

@@ -6,18 +6,18 @@ the Hub dataset math-ai/amc23, read by default).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpo.registry import register
 from gpo.tasks.competition import SYSTEM_PROMPT, CompetitionSet
-from gpo.tasks.data import DataSource
+from gpo.tasks.data import BadRows, DataDir, DataSource
 
 
-@dataclass
+@dataclass(frozen=True)
 class AMC23Config:
-    test: DataSource = field(default_factory=lambda: DataSource("math-ai/amc23", None, "test"))
-    data_dir: str | None = None  # a local copy laid out like ../shared/data (amc23/test.jsonl); wins when set
-    bad_rows: str = "error"  # error | skip
+    test: DataSource = DataSource("math-ai/amc23", None, "test")
+    data_dir: DataDir | None = None  # a local copy laid out like ../shared/data (amc23/test.jsonl); wins when set
+    bad_rows: BadRows = "error"
     system_prompt: str = SYSTEM_PROMPT
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
 
 from gpo.errors import UserError
 from gpo.registry import register
+from gpo.schema import NonNegative, PositiveInt
 from gpo.tasks.answers import answer_tag, last_number, same_number, weighted_rewards
 from gpo.tasks.data import SPLITS
 from gpo.types import Example, Grade, Messages, Rewards
@@ -37,23 +39,24 @@ PHRASES = {
     "-": "{name} gives away {n}",
     "*": "{name}'s pile is multiplied by {n}",
 }
-STYLES = ("question", "story")
 SPLIT_STREAM = {"train": 0, "validation": 1, "test": 2}  # disjoint generator seeds per split
 
 
-@dataclass
+@dataclass(frozen=True)
 class ArithConfig:
-    digits: int = 1  # operands have this many digits (1: 0-9)
-    operations: int = 1  # operators per problem (1: "a + b")
-    operators: list[str] = field(default_factory=lambda: ["+"])  # drawn uniformly from "+", "-", "*"
+    digits: PositiveInt = 1  # operands have this many digits (1: 0-9)
+    operations: PositiveInt = 1  # operators per problem (1: "a + b")
+    operators: tuple[Literal["+", "-", "*"], ...] = ("+",)  # drawn uniformly from these
     allow_negative: bool = False  # if False, a subtraction never takes the running total below zero
-    style: str = "question"  # question: "What is 3 + 5?"; story: a word problem around the same expression
+    # question: "What is 3 + 5?"; story: a word problem around the same expression
+    style: Literal["question", "story"] = "question"
     seed: int = 0
-    train_size: int = 10000  # a finite pool, cycled in seeded epochs: e.g. 64 so history-based selectors see repeats
-    validation_size: int = 256
-    test_size: int = 500
-    format_weight: float = 0.1  # small: strict answer tags alone give a 135M model almost no signal
-    accuracy_weight: float = 1.0
+    # a finite pool, cycled in seeded epochs: e.g. 64 so history-based selectors see repeats
+    train_size: PositiveInt = 10000
+    validation_size: PositiveInt = 256
+    test_size: PositiveInt = 500
+    format_weight: NonNegative = 0.1  # small: strict answer tags alone give a 135M model almost no signal
+    accuracy_weight: NonNegative = 1.0
     system_prompt: str = SYSTEM_PROMPT
 
 
@@ -91,16 +94,8 @@ class Arith:
     """Seeded arithmetic word problems (no download): lenient accuracy + a lightly weighted answer tag."""
 
     def __init__(self, cfg: ArithConfig) -> None:
-        if cfg.digits < 1 or cfg.operations < 1:
-            raise UserError(f"task.digits and task.operations must be >= 1, got {cfg.digits} and {cfg.operations}.")
-        bad = [op for op in cfg.operators if op not in PHRASES]
-        if bad or not cfg.operators:
-            raise UserError(f"task.operators must be a non-empty list drawn from {list(PHRASES)}, got {cfg.operators}.")
-        if min(cfg.train_size, cfg.validation_size, cfg.test_size) < 1:
-            raise UserError(f"task.train_size, validation_size and test_size must be >= 1, got {cfg.train_size}, "
-                            f"{cfg.validation_size} and {cfg.test_size}.")
-        if cfg.style not in STYLES:
-            raise UserError(f"task.style must be one of {', '.join(STYLES)}, got `{cfg.style}`.")
+        if not cfg.operators:  # each operator is checked by its annotation; an empty tuple gives nothing to draw
+            raise UserError(f"task.operators must name at least one of {', '.join(PHRASES)}, got none.")
         self.cfg = cfg
         self._splits: dict[str, list[Example]] = {}
 

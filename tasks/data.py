@@ -16,17 +16,23 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gpo.errors import UserError
+from gpo.schema import ExistingDir
 from gpo.types import Example
 
 LOCAL_SUFFIXES = (".jsonl", ".parquet")  # other existing local files are read as JSON lines
 SPLITS = ("train", "validation", "test")
 DATA_DIR_ENV = "GPO_DATA_DIR"
 
+# What a row without a usable question or answer does: fail naming it, or be left out with a warning.
+BadRows = Literal["error", "skip"]
+# A task's `data_dir`: a local copy laid out like ../shared/data; one that does not exist fails at compose time.
+DataDir = ExistingDir
 
-@dataclass
+
+@dataclass(frozen=True)
 class DataSource:
     """A Hub dataset (`path` = its name, `name` = its config, `split`) or local files (`path` ends in .jsonl or
     .parquet; a glob reads several files in sorted order)."""
@@ -37,7 +43,8 @@ class DataSource:
 
 
 def check_options(validation_size: int, bad_rows: str) -> None:
-    """Constructor-time checks of the data options a task config carries."""
+    """Checks of the data options for callers that bypass the composer (`read_rows`, `carve_validation`); a
+    composed task config has them checked by its annotations (NonNegativeInt, BadRows)."""
     if validation_size < 0:
         raise UserError(f"task.validation_size must be >= 0, got {validation_size}.")
     if bad_rows not in ("error", "skip"):
@@ -45,7 +52,8 @@ def check_options(validation_size: int, bad_rows: str) -> None:
 
 
 def as_source(value: DataSource | dict[str, Any]) -> DataSource:
-    """A config section built from a plain mapping (`registry.Entry.build`) carries dicts, not DataSources."""
+    """A DataSource, or a plain mapping of its fields (a task config constructed by hand with a dict, as
+    `registry.Entry.build` used to pass them; a composed config already holds DataSources)."""
     return value if isinstance(value, DataSource) else DataSource(**dict(value))
 
 

@@ -10,11 +10,12 @@ Evaluation grades with the same rule as training (the reference graded with a la
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpo.registry import register
+from gpo.schema import NonNegative, NonNegativeInt
 from gpo.tasks.answers import answer_tag, clean_number_text, numbers, r1_formatted, same_number, weighted_rewards
-from gpo.tasks.data import DataSource, SplitCache, check_options, read_rows, resolve
+from gpo.tasks.data import BadRows, DataDir, DataSource, SplitCache, read_rows, resolve
 from gpo.types import Example, Grade, Messages, Rewards
 
 SYSTEM_PROMPT = (
@@ -25,16 +26,16 @@ SYSTEM_PROMPT = (
 EXACT, NUMERIC = 2.0, 1.5  # the paper's accuracy values
 
 
-@dataclass
+@dataclass(frozen=True)
 class GSM8KConfig:
-    train: DataSource = field(default_factory=lambda: DataSource("openai/gsm8k", "main", "train"))
-    test: DataSource = field(default_factory=lambda: DataSource("openai/gsm8k", "main", "test"))
-    data_dir: str | None = None  # a local copy laid out like ../shared/data (gsm8k/train.jsonl); wins when set
-    validation_size: int = 256  # rows carved from train for checkpoint selection
+    train: DataSource = DataSource("openai/gsm8k", "main", "train")
+    test: DataSource = DataSource("openai/gsm8k", "main", "test")
+    data_dir: DataDir | None = None  # a local copy laid out like ../shared/data (gsm8k/train.jsonl); wins when set
+    validation_size: NonNegativeInt = 256  # rows carved from train for checkpoint selection
     split_seed: int = 0
-    bad_rows: str = "error"  # error | skip: what a row without a usable question or answer does
-    format_weight: float = 1.0
-    accuracy_weight: float = 1.0
+    bad_rows: BadRows = "error"  # what a row without a usable question or answer does
+    format_weight: NonNegative = 1.0
+    accuracy_weight: NonNegative = 1.0
     system_prompt: str = SYSTEM_PROMPT
 
 
@@ -62,7 +63,6 @@ class GSM8K:
     LOCAL_FILES = {"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"}
 
     def __init__(self, cfg: GSM8KConfig) -> None:
-        check_options(cfg.validation_size, cfg.bad_rows)
         self.cfg = cfg
         self._splits = SplitCache(self._read, cfg.validation_size, cfg.split_seed)
 

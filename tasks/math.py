@@ -25,14 +25,14 @@ import signal
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from gpo.errors import UserError
 from gpo.registry import register
+from gpo.schema import NonNegative, NonNegativeInt, Positive
 from gpo.tasks.answers import answer_tag, last_boxed, r1_formatted, weighted_rewards
-from gpo.tasks.data import DataSource, SplitCache, check_options, read_rows, resolve
+from gpo.tasks.data import BadRows, DataDir, DataSource, SplitCache, read_rows, resolve
 from gpo.types import Example, Grade, Messages, Rewards
 
 SYSTEM_PROMPT = (
@@ -50,18 +50,20 @@ OK, TIMEOUT, ERROR, WORKER_LOST, GOLD_UNPARSED = "ok", "timeout", "error", "work
 Verdict = tuple[str, bool]  # (status, correct)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MathConfig:
-    train: DataSource = field(default_factory=lambda: DataSource("DigitalLearningGmbH/MATH-lighteval", None, "train"))
-    test: DataSource = field(default_factory=lambda: DataSource("HuggingFaceH4/MATH-500", None, "test"))
-    data_dir: str | None = None  # a local copy laid out like ../shared/data (math/test500.jsonl); wins when set
-    validation_size: int = 256  # rows carved from train for checkpoint selection
+    train: DataSource = DataSource("DigitalLearningGmbH/MATH-lighteval", None, "train")
+    test: DataSource = DataSource("HuggingFaceH4/MATH-500", None, "test")
+    data_dir: DataDir | None = None  # a local copy laid out like ../shared/data (math/test500.jsonl); wins when set
+    validation_size: NonNegativeInt = 256  # rows carved from train for checkpoint selection
     split_seed: int = 0
-    bad_rows: str = "error"  # error | skip: what a row without a usable question or answer does
-    format_weight: float = 1.0
-    accuracy_weight: float = 1.0
-    verify_timeout_s: float = 5.0  # wall-time bound for verifying one completion (math-verify's default)
-    workers: int = 0  # verification processes; 0 = the cores this process may use
+    # MATH train holds two multiple-choice problems whose final answer is empty (rows 5342 and 5344 of the
+    # ../shared/data copy): they are left out with a warning rather than refuse to train.
+    bad_rows: BadRows = "skip"
+    format_weight: NonNegative = 1.0
+    accuracy_weight: NonNegative = 1.0
+    verify_timeout_s: Positive = 5.0  # wall-time bound for verifying one completion (math-verify's default)
+    workers: NonNegativeInt = 0  # verification processes; 0 = the cores this process may use
     system_prompt: str = SYSTEM_PROMPT
 
 
@@ -88,11 +90,6 @@ class Math:
     LOCAL_FILES = {"train": "math/train.jsonl", "test": "math/test500.jsonl"}
 
     def __init__(self, cfg: MathConfig) -> None:
-        if cfg.verify_timeout_s <= 0:
-            raise UserError(f"task.verify_timeout_s must be > 0, got {cfg.verify_timeout_s}.")
-        if cfg.workers < 0:
-            raise UserError(f"task.workers must be >= 0 (0 = one per available core), got {cfg.workers}.")
-        check_options(cfg.validation_size, cfg.bad_rows)
         self.cfg = cfg
         self._splits = SplitCache(self._read, cfg.validation_size, cfg.split_seed)
         self._pool: VerifierPool | None = None  # started on the first reward, then reused

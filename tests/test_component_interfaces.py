@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 from gpo import registry
 from gpo.types import Backend, Task
@@ -59,3 +60,27 @@ def test_closing_the_hf_backend_twice_is_harmless():
     backend.close()
     backend.close()
     assert backend.model is None  # it frees nothing of the trainer's
+
+
+@pytest.mark.parametrize("backend, zero_stage, gathers", [("hf", 3, True), ("vllm", 3, False), ("hf", 2, False)])
+def test_zero3_gathers_the_policy_only_for_a_backend_that_generates_with_it(monkeypatch, backend, zero_stage,
+                                                                          gathers):
+    import contextlib
+    from types import SimpleNamespace
+
+    from gpo import parallel
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(model):
+        entered.append(model)
+        yield
+
+    monkeypatch.setattr(parallel, "full_parameters", recording)
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage)))
+    policy = torch.nn.Linear(2, 2)
+    needed = registry.get("backend", backend).cls.generates_with_policy
+    with parallel.gathered(accelerator, policy, needed=needed):
+        pass
+    assert entered == ([policy] if gathers else [])

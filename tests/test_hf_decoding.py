@@ -154,8 +154,11 @@ def test_sampled_tokens_follow_the_policys_own_distribution(tiny):
 
 
 def test_config_is_checked():
-    with pytest.raises(UserError, match="backend.decode must be one of"):
-        HFBackend(HFConfig(decode="fast"))
+    """As the composer checks `backend=hf backend.decode=...` (the config's Literal annotation)."""
+    from gpo import registry
+
+    with pytest.raises(UserError, match="`backend.decode` must be one of gpo, generate"):
+        registry.get("backend", "hf").build({"decode": "fast"})
 
 
 def test_backend_auto_picks_by_machine_and_says_why(monkeypatch, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpo import registry
 from gpo.errors import UserError
 from gpo.tasks.arith import Arith, ArithConfig
 
@@ -55,11 +56,15 @@ def test_reward_table(completion: str, fmt: float, acc: float) -> None:
 
 
 def test_bad_config_is_a_user_error() -> None:
+    """Choices and ranges are checked as the composer checks `task=arith task.KEY=...` (the config's annotations)."""
+    build = registry.get("task", "arith").build
     with pytest.raises(UserError, match="operators"):
-        Arith(ArithConfig(operators=["/"]))
+        build({"operators": ["/"]})
+    with pytest.raises(UserError, match="operators"):
+        Arith(ArithConfig(operators=()))  # nothing to draw from
     with pytest.raises(UserError, match="style"):
-        Arith(ArithConfig(style="poem"))
+        build({"style": "poem"})
     with pytest.raises(UserError, match="digits"):
-        Arith(ArithConfig(digits=0))
+        build({"digits": 0})
     with pytest.raises(UserError, match="unknown split"):
         Arith(ArithConfig()).load("dev")

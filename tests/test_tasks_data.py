@@ -142,3 +142,30 @@ def test_data_dir_and_environment_override_the_hub(monkeypatch: pytest.MonkeyPat
     assert resolve(hub, None, "gsm8k/test.jsonl").path == "/env/gsm8k/test.jsonl"
     assert resolve({"path": "mine.jsonl"}, None, "gsm8k/test.jsonl").path == "mine.jsonl"  # local files stay
     assert resolve({"path": "mine.jsonl"}, "/data", "gsm8k/test.jsonl").path == "/data/gsm8k/test.jsonl"
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math", "aime24", "amc23"])
+def test_a_data_dir_that_does_not_exist_fails_at_compose_time(task: str, tmp_path: Path) -> None:
+    """Before anything loads (`gpo run --dry-run` exits 2 with it), naming the key and the fix."""
+    from gpo.config import compose
+
+    with pytest.raises(UserError, match=rf"`task.data_dir`: `{tmp_path}/nope` does not exist\. Point it at an "
+                                        "existing local directory"):
+        compose([f"task={task}", f"task.data_dir={tmp_path}/nope"])
+    file = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    with pytest.raises(UserError, match=r"is a file, not a directory"):
+        compose([f"task={task}", f"task.data_dir={file}"])
+    assert compose([f"task={task}", f"task.data_dir={tmp_path}"]).task.config.data_dir == str(tmp_path)
+    assert compose([f"task={task}"]).task.config.data_dir is None  # unset: the Hub (or $GPO_DATA_DIR)
+
+
+def test_composed_sources_are_data_sources_and_mappings_still_work(tmp_path: Path) -> None:
+    """The composer validates `task.test.path=...` into a DataSource; a config built by hand may still hold a
+    plain mapping, which `resolve` reads as one (as_source)."""
+    from gpo.config import compose
+
+    file = write_jsonl(tmp_path / "test.jsonl", ROWS)
+    composed = compose(["task=gsm8k", f"task.test.path={file}"]).task.config
+    assert isinstance(composed.test, DataSource) and composed.test.path == str(file)
+    by_hand = GSM8K(GSM8KConfig(test={"path": str(file)}))  # type: ignore[arg-type]
+    assert [r["gold"] for r in by_hand.load("test")] == ["2", "4", "6"]

@@ -232,12 +232,17 @@ def _vllm_backend(**settings):
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"dtype": "fp32"}, "backend.dtype must be one of auto, float32, bfloat16, float16"),
-    ({"gpu_memory_utilization": 0.0}, "backend.gpu_memory_utilization must be in"),
+    ({"dtype": "fp32"}, "`backend.dtype` must be one of auto, float32, bfloat16, float16"),
+    ({"gpu_memory_utilization": 0.0}, "`backend.gpu_memory_utilization` must be > 0"),
+    ({"gpu_memory_utilization": 1.5}, "`backend.gpu_memory_utilization` must be <= 1"),
 ])
 def test_bad_backend_settings_are_user_errors(settings, message):
+    """Checked as the composer checks `backend=vllm backend.KEY=...` (the config's annotations)."""
+    from gpo import registry
+    from gpo.backends import vllm  # noqa: F401  (registers it)
+
     with pytest.raises(UserError, match=message):
-        _vllm_backend(**settings)
+        registry.get("backend", "vllm").build(settings, model=None, tokenizer=None)
 
 
 def test_vllm_starts_only_when_first_used_and_needs_a_local_model_dir():

@@ -10,27 +10,24 @@ transformers' `generate` for comparison.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from gpo.decoding import draw, next_token_probs
-from gpo.errors import UserError
 from gpo.registry import register
+from gpo.schema import PositiveInt
 from gpo.types import Sampling
 
 
-@dataclass
+@dataclass(frozen=True)
 class HFConfig:
-    batch_size: int = 64  # completions per call; bounds the KV cache
+    batch_size: PositiveInt = 64  # completions per call; bounds the KV cache
     # gpo: one prefill per distinct prompt, its keys/values expanded to the prompt's n samples, then a decode loop
     #      that draws each token by inverse CDF and stops computing rows that have finished.
     # generate: transformers' `generate` on n copies of each prompt (the path before; kept for comparison).
-    decode: str = "gpo"
-
-
-DECODERS = ("gpo", "generate")
+    decode: Literal["gpo", "generate"] = "gpo"
 
 
 @register("backend", "hf", config=HFConfig)
@@ -40,10 +37,6 @@ class HFBackend:
     generates_with_policy = True  # the training model's own forward passes: ZeRO-3 gathers it around generate
 
     def __init__(self, cfg: HFConfig, model: Any = None, tokenizer: Any = None) -> None:
-        if cfg.decode not in DECODERS:
-            raise UserError(f"backend.decode must be one of {', '.join(DECODERS)}, got `{cfg.decode}`.")
-        if cfg.batch_size < 1:
-            raise UserError(f"backend.batch_size must be >= 1, got {cfg.batch_size}.")
         self.cfg = cfg
         self.model = model
         self.tokenizer = tokenizer

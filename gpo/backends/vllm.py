@@ -22,25 +22,27 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 
 from gpo.distributed import world
 from gpo.errors import UserError
+from gpo.models import plain_weights
 from gpo.parallel import full_parameters
 from gpo.registry import register
+from gpo.schema import Gt, Le, Positive, PositiveInt
 from gpo.types import Sampling
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-
-@dataclass
+@dataclass(frozen=True)
 class VLLMConfig:
-    dtype: str = "auto"  # auto: float32 on CPU (vLLM's bfloat16 CPU path is ~4x slower), the policy's dtype on GPU
-    gpu_memory_utilization: float = 0.3  # GPU share for vLLM's weights + KV cache; the trainer needs the rest
-    kv_cache_gib: float | None = None  # KV cache size in GiB (on CPU: default 1); null on GPU: from the share above
-    max_model_len: int | None = None  # longest prompt + completion; null: the model's own limit
+    # auto: float32 on CPU (vLLM's bfloat16 CPU path is ~4x slower), the policy's dtype on GPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # GPU share for vLLM's weights + KV cache; the trainer needs the rest
+    gpu_memory_utilization: Annotated[float, Gt(0), Le(1)] = 0.3
+    kv_cache_gib: Positive | None = None  # KV cache size in GiB (on CPU: default 1); null on GPU: from the share above
+    max_model_len: PositiveInt | None = None  # longest prompt + completion; null: the model's own limit
     enable_prefix_caching: bool = True  # the G samples of a prompt share its KV cache; reset at every weight sync
     enable_sleep_mode: bool = False  # GPU only: free vLLM's memory while the trainer runs (sleep / wake_up)
     enforce_eager: bool = True  # skip torch.compile / CUDA graphs: compiling costs minutes, small models gain little
@@ -55,10 +57,6 @@ class VLLMBackend:
     generates_with_policy = False  # its own copy of the weights (synced in `_load`): nothing to gather to generate
 
     def __init__(self, cfg: VLLMConfig, model: Any = None, tokenizer: Any = None) -> None:
-        if cfg.dtype not in DTYPES:
-            raise UserError(f"backend.dtype must be one of {', '.join(DTYPES)}, got `{cfg.dtype}`.")
-        if not 0 < cfg.gpu_memory_utilization <= 1:
-            raise UserError(f"backend.gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}.")
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.sleeps = cfg.enable_sleep_mode and torch.cuda.is_available()  # vLLM's CPU worker cannot sleep
         self._llm: Any = None
@@ -176,7 +174,7 @@ class VLLMBackend:
         gathered collectively for the duration of the reload, and vLLM copies them into its own model.
         """
         with full_parameters(model):
-            weights = list(_named_weights(model))
+            weights = list(plain_weights(model))  # a LoRA adapter folded into its base weights
             if self.sleeps:
                 self._llm.wake_up(tags=["weights"])
             # vLLM's in-place reload: each layer is rebuilt from checkpoint-format tensors and processed again (on
@@ -221,19 +219,3 @@ def _dtype(name: str, model: Any, on_gpu: bool) -> str:
     if not on_gpu:
         return "float32"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
-
-
-def _named_weights(model: Any) -> Any:
-    """(Hugging Face name, tensor) pairs of the plain model; a LoRA adapter is merged into its base weights."""
-    if hasattr(model, "merge_and_unload"):  # peft: fold the adapter in, read the merged weights, then undo it
-        model.merge_adapter()
-        try:
-            base = model.get_base_model()
-            yield from (
-                (name.replace(".base_layer.", "."), p.detach().clone())
-                for name, p in base.named_parameters() if "lora_" not in name
-            )
-        finally:
-            model.unmerge_adapter()
-        return
-    yield from ((name, p.detach()) for name, p in model.named_parameters())

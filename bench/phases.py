@@ -27,7 +27,7 @@ RATES = [0.0, 0.5, 0.75, 0.875]
 
 def build(args: argparse.Namespace):
     """The engine and one generated, rewarded batch (same seed, so every process gets the same batch)."""
-    from gpo.engine import PhaseTimer
+    from gpo.metrics import PhaseTimer
 
     eng = engine(f"model.path={args.model}", "task=arith", "algo=grpo", f"algo.beta={args.beta}", "pruner=topk",
                  "allocator=static", f"train.questions_per_step={args.questions}", f"train.group_size={args.group}",

@@ -7,11 +7,9 @@ only calls the component interfaces of gpo/types.py; it never names an algorithm
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -23,20 +21,20 @@ import torch
 from gpo import checkpoint
 from gpo.build import build
 from gpo.config import to_yaml
-from gpo.distributed import (all_gather_batch, all_reduce_sum, all_reduce_values, from_rank_zero,
+from gpo.distributed import (all_gather_batch, all_reduce_sum, from_rank_zero,
                              peer_failures_explained, shard, world)
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
 from gpo.models import export_model
-from gpo.ops import advantage_metrics
+from gpo.metrics import MetricSums, PhaseTimer, rollout_metrics
 from gpo.parallel import (accumulating, build_accelerator, full_state_dict, gathered, prepare_policy,
                           prepare_reference)
-from gpo.pruners.metrics import prune_metrics
 from gpo.rewards import score as score_completions
 from gpo.rollout import completion_tokens, decode_completions, encode_prompts, generate
 from gpo.rollout_phases import (CONTINUATION_SEED, Call, RoundLedger, joined, ledger, phase_calls, rank_share,
-                                rewards_by_question, selection_metrics, whole_groups)
+                                rewards_by_question, whole_groups)
 from gpo.sampler import QuestionStream
+from gpo.step_math import kept_rows, score_groups, step_totals
 from gpo.run_config import RunConfig, as_dict
 from gpo.types import RolloutBatch, Sampling, StepTotals
 
@@ -96,10 +94,8 @@ class Engine:
             batch, group_keep, round_spent = self._rollout(questions, rounds, timer)
             seen.append(batch)
             spent = spent.add(round_spent)
-            batch = batch.select(group_keep.repeat_interleave(T.group_size))
-            # 7 prune: decided on the whole step's batch, identically on every rank
-            keep = (self.pruner.keep(batch, multiple_of=self.world_size)  # every rank trains as many rows
-                    if len(batch) else torch.zeros(0, dtype=torch.bool))
+            # 7 prune the filter's groups: decided on the whole step's batch, identically on every rank
+            batch, keep = kept_rows(self.pruner, batch, group_keep, T.group_size, multiple_of=self.world_size)
             candidates.append((batch, keep))
             kept_parts.append(batch.select(keep))
             rounds += 1
@@ -115,7 +111,8 @@ class Engine:
         # 11 metrics of this step
         self.step_index += 1
         return {
-            **self._rollout_metrics(seen, candidates, spent),
+            **rollout_metrics(seen, candidates, spent, T.group_size, self.tokenizer.pad_token_id),
+            **self._task_metrics,
             **update_metrics,
             **self.allocator.metrics(),
             **self.selector.metrics(),
@@ -149,13 +146,7 @@ class Engine:
         batch.group_ids = torch.arange(len(batch) // G).repeat_interleave(G)  # [N]
         if len(batch) == 0:
             return batch, torch.zeros(0, dtype=torch.bool), spent
-        rewards = self.objective.shape_rewards(
-            batch.rewards.view(-1, G), batch.lengths.view(-1, G), batch.truncated.view(-1, G)
-        )  # [B, G]
-        components = {k: v.view(-1, G) for k, v in batch.reward_components.items()}  # name -> [B, G]
-        group_keep = self.objective.group_filter(rewards, components)  # [B]
-        advantages = self.objective.advantages(rewards)  # [B, G]
-        return dataclasses.replace(batch, rewards=rewards.flatten(), advantages=advantages.flatten()), group_keep, spent
+        return (*score_groups(self.objective, batch, G), spent)
 
     def _phase(self, examples: list, counts: list[int], seed: int,
                timer: PhaseTimer) -> list[tuple[RolloutBatch, torch.Tensor]]:
@@ -197,10 +188,8 @@ class Engine:
 
     def _update(self, kept: RolloutBatch) -> dict[str, float]:
         T, device = self.train_cfg, self.accelerator.device
-        totals = StepTotals(
-            sequences=int(all_reduce_sum(len(kept))),
-            tokens=int(all_reduce_sum(int(self.objective.loss_mask(kept).sum()))),
-        )
+        mine = step_totals(self.objective, kept)
+        totals = StepTotals(sequences=int(all_reduce_sum(mine.sequences)), tokens=int(all_reduce_sum(mine.tokens)))
         if totals.tokens == 0:  # everything was filtered or pruned away: nothing to learn from this step
             return {"train/skipped": 1.0, "tokens/trained": 0.0}
         sums = MetricSums()
@@ -228,26 +217,6 @@ class Engine:
             "tokens/trained": float(totals.tokens * T.mu),
             "train/rows": float(totals.sequences),
         }
-
-    def _rollout_metrics(self, seen: list[RolloutBatch], candidates: list[tuple[RolloutBatch, torch.Tensor]],
-                         spent: RoundLedger) -> dict:
-        G = self.train_cfg.group_size
-        full = RolloutBatch.concat(seen, self.tokenizer.pad_token_id)
-        out = {f"reward/{k}_mean": float(v.mean()) for k, v in full.reward_components.items()}
-        out.update({f"reward/{k}_std": float(v.std()) if len(v) > 1 else 0.0 for k, v in full.reward_components.items()})
-        if len(full):  # a step whose selector skipped every question has no whole group to describe
-            out.update(advantage_metrics(full.rewards.view(-1, G), full.advantages.view(-1, G)))
-        out["reward/mean"] = float(full.rewards.mean()) if len(full) else float("nan")
-        out["completion/length_mean"] = float(full.lengths.float().mean()) if len(full) else 0.0
-        out["completion/truncated_frac"] = float(full.truncated.float().mean()) if len(full) else 0.0
-        out.update(self._task_metrics)
-        batch = RolloutBatch.concat([b for b, _ in candidates], self.tokenizer.pad_token_id)
-        keep = torch.cat([k for _, k in candidates])
-        out.update(prune_metrics(batch, keep) if len(batch) else {"prune/kept_frac": 0.0})
-        out["filter/kept_groups_frac"] = len(batch) / max(len(full), 1)
-        useful = sum(int((b.advantages[k].abs() > 0).sum()) for b, k in candidates)  # trained rows with signal
-        out.update(selection_metrics(spent, G, useful))  # tokens/generated counts screened-out rows too
-        return out
 
     def _kept_per_candidate(self) -> float | None:
         """Completions the pruner keeps per group, times the share of candidates the selector expects to reach a
@@ -450,56 +419,6 @@ def train(cfg: RunConfig) -> dict[str, float]:
 
 
 # --- small helpers --------------------------------------------------------------------------------------------
-
-
-class PhaseTimer:
-    """Seconds per phase of a step (generate / reward / logprobs / update), summed over refill rounds."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.seconds[phase] += time.perf_counter() - t0
-
-    def metrics(self) -> dict[str, float]:
-        out = {f"time/{k}": v for k, v in self.seconds.items()}
-        out["time/step"] = time.perf_counter() - self.start
-        return out
-
-
-class MetricSums:
-    """Combines the objective's per-micro-batch metric shares: summed, except `_min`/`_max` names."""
-
-    COMBINE = {"sum": lambda a, b: a + b, "min": min, "max": max}
-
-    def __init__(self) -> None:
-        self.values: dict[str, float] = {}
-
-    @staticmethod
-    def reduction(key: str) -> str:
-        """How a metric combines over micro-batches and ranks: "min", "max" (by its name's suffix) or "sum"."""
-        return key.rsplit("_", 1)[-1] if key.endswith(("_min", "_max")) else "sum"
-
-    def add(self, metrics: dict[str, Any]) -> None:
-        for k, v in metrics.items():
-            v = float(v)
-            self.values[k] = self.COMBINE[self.reduction(k)](self.values[k], v) if k in self.values else v
-
-    def result(self, passes: int) -> dict[str, float]:
-        """The whole step's values: each rank holds its share of the global loss and metrics, so they are summed
-        (min/max taken) over ranks too; sums are then averaged over the mu passes."""
-        out: dict[str, float] = {}
-        for op in self.COMBINE:
-            out.update(all_reduce_values({k: v for k, v in self.values.items() if self.reduction(k) == op}, op))
-        return {k: v / passes if self.reduction(k) == "sum" else v for k, v in out.items()}
 
 
 def _scheduler(optimizer: Any, name: str, warmup_ratio: float, total: int) -> Any:

@@ -110,30 +110,3 @@ def ledger(counts: list[int], continued: int, rewards: list[Tensor], tokens: int
         zero_var_generated=sum(no_variance(r, TOLERANCE) for r in generated), groups=len(groups),
         zero_var_groups=sum(no_variance(r, TOLERANCE) for r in groups),
     )
-
-
-def selection_metrics(total: RoundLedger, group_size: int, useful_rows: int) -> dict[str, float]:
-    """Step metrics of selection: questions considered / skipped / screened out, completions generated against the
-    G-per-question baseline, tokens saved (the missing completions at this step's mean length), zero-variance
-    shares before selection (every question that got rollouts, on all its rows) and after (the whole groups), and
-    generated tokens per trained row with non-zero advantage (`useful_rows`)."""
-    baseline = total.considered * group_size
-    mean_length = total.tokens / total.completions if total.completions else 0.0
-    out = {
-        "select/considered": float(total.considered),
-        "select/skipped": float(total.skipped),
-        "select/screened": float(total.screened),
-        "select/screened_out": float(total.screened_out),
-        "select/completions": float(total.completions),
-        "select/completions_baseline": float(baseline),
-        "select/completions_frac": total.completions / baseline if baseline else 0.0,
-        "select/tokens_saved_est": (baseline - total.completions) * mean_length,
-        "select/zero_var_before": total.zero_var_generated / total.generated_questions
-        if total.generated_questions else 0.0,
-        "select/zero_var_after": total.zero_var_groups / total.groups if total.groups else 0.0,
-        "tokens/generated": float(total.tokens),
-    }
-    out["select/useful_rows"] = float(useful_rows)  # summed over steps by the study table
-    if useful_rows:  # a step that trained on no row with signal has no such ratio (no inf in the tracker)
-        out["tokens/generated_per_useful_row"] = total.tokens / useful_rows
-    return out

@@ -15,7 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from gpo import registry
 from gpo.errors import UserError
-from gpo.pruners.metrics import prune_metrics
+from gpo.metrics import prune_metrics
 from gpo.pruners.ranking import row_keys, top_up
 from gpo.quota import kept_per_group
 from gpo.types import RolloutBatch

@@ -10,8 +10,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from gpo import registry
 from gpo.errors import UserError
-from gpo.rollout_phases import (RoundLedger, ledger, phase_calls, rank_share, rewards_by_question,
-                                selection_metrics, whole_groups)
+from gpo.metrics import selection_metrics
+from gpo.rollout_phases import RoundLedger, ledger, phase_calls, rank_share, rewards_by_question, whole_groups
 from gpo.sampler import QuestionStream
 from gpo.selectors.mopps import beta_sample
 from gpo.selectors.variance import no_variance

@@ -33,7 +33,7 @@ def _run(cmd: list, cwd: Path, env: dict | None = None) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, str]:
+def built(tmp_path_factory) -> tuple[Path, str, Path]:
     """Build from a copy of the source tree, so the build leaves no build/ or egg-info in the repository.
 
     Verbose, so the log holds what setuptools printed (pip hides a build backend's output otherwise)."""
@@ -43,7 +43,7 @@ def built(tmp_path_factory) -> tuple[Path, str]:
     out = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--verbose",
                 "--wheel-dir", root / "dist", src], cwd=root)
     (wheel_path,) = (root / "dist").glob("gpo-*.whl")
-    return wheel_path, out.stdout + out.stderr
+    return wheel_path, out.stdout + out.stderr, src
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +54,47 @@ def wheel(built) -> Path:
 def test_build_declares_every_package_it_ships(built):
     """Every folder setuptools sees as a package is declared (configs/<group>/ included), so installs stay quiet:
     an undeclared one prints a "Package would be ignored" wall of text on every `pip install`."""
-    _, log = built
+    _, log, _ = built
     assert "running build_py" in log  # the log does hold setuptools' own output
     assert "copying configs/algo/grpo.yaml" in log
     assert "would be ignored" not in log
     assert "absent from the `packages` configuration" not in log
 
 
-@pytest.fixture(scope="module")
-def venv(wheel, tmp_path_factory) -> Path:
-    """A fresh venv with the wheel installed (--no-deps) and this environment's site-packages on its path."""
-    env_dir = tmp_path_factory.mktemp("venv") / "env"
+def _fresh_venv(env_dir: Path) -> Path:
+    """A venv without pip whose path also holds this environment's site-packages (dependencies, setuptools)."""
     _run([sys.executable, "-m", "venv", "--without-pip", env_dir], cwd=env_dir.parent)
     python = env_dir / "bin" / "python"
     fresh_site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                            cwd=env_dir).stdout.strip())
     (fresh_site / "project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory) -> Path:
+    """A fresh venv with the wheel installed (--no-deps) and this environment's site-packages on its path."""
+    env_dir = tmp_path_factory.mktemp("venv") / "env"
+    python = _fresh_venv(env_dir)
     _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--quiet", wheel], cwd=env_dir)
     return env_dir
+
+
+def test_an_editable_install_is_quiet_and_finds_the_configs(built, tmp_path):
+    """`pip install -e .` (what `make run` does) prints no setuptools package warning, and its `gpo` reads the
+    YAMLs from the source tree."""
+    _, _, src = built
+    python = _fresh_venv(tmp_path / "env")
+    out = _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-build-isolation",
+                "--verbose", "-e", src], cwd=tmp_path)
+    log = out.stdout + out.stderr
+    assert "Successfully installed gpo" in log
+    assert "would be ignored" not in log and "absent from the `packages` configuration" not in log
+    listed = _run([tmp_path / "env" / "bin" / "gpo", "list", "task"], cwd=tmp_path, env=_clean_env()).stdout
+    assert any(line.startswith("  arith ") for line in listed.splitlines())  # configs/task/arith.yaml
+    root = _run([python, "-c", "import gpo.config; print(gpo.config.CONFIG_ROOT)"], cwd=tmp_path,
+                env=_clean_env()).stdout.strip()
+    assert Path(root).resolve() == (src / "configs").resolve()
 
 
 def _clean_env() -> dict:

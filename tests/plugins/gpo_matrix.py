@@ -52,6 +52,9 @@ class StrictTagTask:
                                 formatted=found is not None))
         return grades
 
+    def close(self) -> None:
+        pass  # holds nothing outside Python
+
 
 def scripted_completion(gold: int, j: int) -> str:
     """The j-th sample's text: j filler words, then the answer; odd samples answer one too many."""
@@ -66,6 +69,8 @@ class ScriptedConfig:
 @register("backend", "scripted", config=ScriptedConfig)
 class ScriptedBackend:
     """Answers `Add X and 1.` prompts with `scripted_completion(X + 1, j)` for sample j, then EOS (test-only)."""
+
+    generates_with_policy = False  # scripted text: no forward of the policy to gather for
 
     def __init__(self, cfg: ScriptedConfig, model: Any = None, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
@@ -84,4 +89,7 @@ class ScriptedBackend:
         return None
 
     def sync_weights(self, model: Any) -> None:
+        pass
+
+    def close(self) -> None:
         pass

@@ -40,3 +40,6 @@ class ThirdsTask:
     def grade(self, completions: list[str], examples: list[dict]) -> list[Grade]:
         return [Grade(extracted=c, gold="", correct=s > 0, formatted=True)
                 for c, s in zip(completions, self.reward(completions, examples).total, strict=True)]
+
+    def close(self) -> None:
+        pass  # holds nothing outside Python

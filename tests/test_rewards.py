@@ -121,6 +121,9 @@ class Flaky:
     def grade(self, completions, examples):
         return []
 
+    def close(self):
+        pass
+
 
 class LenientFlaky(Flaky):
     reward_errors = "zero"

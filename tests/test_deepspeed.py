@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -54,27 +55,27 @@ def test_zero2_and_zero3_train_like_one_process(tiny_model_path, tmp_path):
 @pytest.mark.slow
 def test_zero3_with_offload_and_bf16_resumes_where_it_left_off(tiny_model_path, tmp_path):
     """The hardest combination DeepSpeed runs on this CPU: parameters and optimizer state offloaded, bf16 mixed
-    precision. Two steps straight, and one step then `resume=auto` for the second, end on the same weights."""
+    precision. Two steps with a checkpoint after each; then, as if the run had stopped after step 1 (its step-2
+    checkpoint and final model gone), `resume=auto` runs step 2 again from the step-1 checkpoint and ends on the same
+    weights. (Two launches of 2 ranks, not three: the uninterrupted run is the one that left the checkpoint.)"""
     base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *STEPS, "engine=zero3", "engine.offload=true",
-            "engine.mixed_precision=bf16", "optim.schedule=constant"]  # constant lr: the schedule spans train.steps
-    once = [a for a in base if a != "train.steps=2"]
-    straight = start([*base, "run_name=straight"], tmp_path / "straight.jsonl")
-    first = start([*once, "train.steps=1", "run_name=resumed"], tmp_path / "resumed.jsonl")
-    finish(straight, timeout=600)
-    finish(first, timeout=600)
-    out = finish(start([*once, "train.steps=2", "run_name=resumed", "resume=auto"], tmp_path / "resumed.jsonl"),
-                 timeout=600)
+            "engine.mixed_precision=bf16", "optim.schedule=constant", "run_name=run", "checkpoint.every=1"]
+    finish(start(base, tmp_path / "straight.jsonl"), timeout=600)
+    run = tmp_path / "run"
+    initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    a = load_file(str(run / "final/model.safetensors"))
+    shutil.rmtree(run / "checkpoints" / "step-0000002")
+    shutil.rmtree(run / "final")
+    out = finish(start([*base, "resume=auto"], tmp_path / "resumed.jsonl"), timeout=600)
     assert "resumed from" in out and "at step 1" in out
 
-    initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
-    a = load_file(str(tmp_path / "straight/final/model.safetensors"))
-    b = load_file(str(tmp_path / "resumed/final/model.safetensors"))
+    b = load_file(str(run / "final/model.safetensors"))
     assert {v.dtype for v in a.values()} == {torch.bfloat16}  # DeepSpeed saves the bf16 module weights
     assert max(float((a[k].float() - initial[k].float()).abs().max()) for k in a) > 1e-3
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=0, rtol=0, msg=k)  # the restored run repeats step 2 exactly
-    steps = records(tmp_path / "resumed.jsonl", "step")
-    assert sorted(r["rank"] for r in steps) == [0, 0, 1, 1]  # one step in each launch, on both ranks
+    assert sorted(r["rank"] for r in records(tmp_path / "straight.jsonl", "step")) == [0, 0, 1, 1]
+    assert sorted(r["rank"] for r in records(tmp_path / "resumed.jsonl", "step")) == [0, 1]  # only step 2, both ranks
 
 
 def test_deepspeed_config_is_consistent_and_clips():

@@ -7,13 +7,19 @@ STAMP  := $(VENV)/.gpo-installed
 VLLM   ?= 1
 VLLM_STAMP := $(VENV)/.gpo-vllm-installed
 
-.PHONY: run test install
+.PHONY: run test check install
 
 run: $(STAMP)
 	$(BIN)/gpo run $(ARGS)
 
-test: $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
+test: check $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Static checks, before the tests: ruff (lint and import order) and mypy (tools/typecheck.py: mypy over gpo as it
+# installs, cached in .mypy_cache; a few seconds once warm, a few minutes on a fresh checkout).
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python tools/typecheck.py
 
 install: $(STAMP)
 

@@ -110,8 +110,12 @@ def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
 
 
 def validate(raw: Mapping[str, Any]) -> RunConfig:
-    """A plain mapping (every layer merged) as the typed run config, or a UserError naming the first problem."""
+    """A plain mapping (every layer merged) as the typed run config, or a UserError naming the first problem.
+    The built-in components and the mapping's `plugins` are imported first (a fresh process can validate a saved
+    config)."""
     raw = dict(_plain(raw))
+    registry.load_builtins()
+    registry.load_plugins(_as_list(raw.get("plugins")))
     top = set(TOP_LEVEL) | set(SECTIONS) | set(COMPONENT_KINDS)
     for key in raw:
         if key in STUDY_KEYS:

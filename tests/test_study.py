@@ -36,7 +36,7 @@ def test_grid_is_the_product_with_inapplicable_overrides_dropped_and_duplicates_
         "algo=dapo pruner=none", "algo=dapo pruner=topk pruner.rate=0.5", "algo=dapo pruner=topk pruner.rate=0.75",
     ]
     assert [r.index for r in p.runs] == [1, 2, 3, 4, 5, 6]
-    assert [r.cfg.pruner.get("rate") for r in p.runs] == [None, 0.5, 0.75, None, 0.5, 0.75]
+    assert [getattr(r.cfg.pruner.config, "rate", None) for r in p.runs] == [None, 0.5, 0.75, None, 0.5, 0.75]
     assert [r.cfg.algo.name for r in p.runs] == ["grpo"] * 3 + ["dapo"] * 3
     assert p.baseline == 0
     assert any("`pruner.rate` does not apply to pruner `none`" in n for n in p.notes)
@@ -47,7 +47,7 @@ def test_grid_is_the_product_with_inapplicable_overrides_dropped_and_duplicates_
 
 def test_a_fixed_component_override_applies_where_it_exists():
     p = plan(["pruner=none,topk", "pruner.rate=0.5", *TOY])
-    assert [(r.combination, r.cfg.pruner.get("rate")) for r in p.runs] == [("pruner=none", None),
+    assert [(r.combination, getattr(r.cfg.pruner.config, "rate", None)) for r in p.runs] == [("pruner=none", None),
                                                                             ("pruner=topk", 0.5)]
 
 
@@ -91,7 +91,7 @@ def test_a_config_file_carries_a_grid_and_a_baseline_and_the_command_line_wins(t
     assert [r.combination for r in p.runs] == ["pruner=none optim.lr=1e-05", "pruner=none optim.lr=1e-06",
                                                "pruner=topk optim.lr=1e-05", "pruner=topk optim.lr=1e-06"]
     assert [r.cfg.optim.lr for r in p.runs] == [1e-5, 1e-6, 1e-5, 1e-6]
-    assert [r.cfg.pruner.get("rate") for r in p.runs] == [None, None, 0.875, 0.875]
+    assert [getattr(r.cfg.pruner.config, "rate", None) for r in p.runs] == [None, None, 0.875, 0.875]
     assert all(r.cfg.train.steps == 3 for r in p.runs)
     assert p.runs[p.baseline].combination == "pruner=topk optim.lr=1e-06"
     assert any("`pruner.rate` does not apply to pruner `none`" in n for n in p.notes)
@@ -216,8 +216,9 @@ def test_study_runs_the_grid_reports_a_failure_and_report_reproduces_it(tiny_mod
         "allocator=static", "train.steps=2", "train.questions_per_step=2", "train.group_size=4",
         "train.max_completion_length=8", "train.micro_batch_size=8", "eval.limit=2", "eval.batch_size=2",
         "eval.max_new_tokens=4",
-        # none runs once (rate does not apply to it); topk at 0.5 trains; topk at 1.5 fails when the pruner is built
-        "pruner=none,topk", "pruner.rate=0.5,1.5",
+        # none runs once (rate does not apply to it); topk at 0.5 trains; topk with neither rate nor keep passes the
+        # composer (each field is valid alone) and fails in its run, when the pruner is built
+        "pruner=none,topk", "pruner.rate=0.5,null",
     ]
     assert cli.main(["study", *args]) == 0
     out = capsys.readouterr().out
@@ -227,9 +228,9 @@ def test_study_runs_the_grid_reports_a_failure_and_report_reproduces_it(tiny_mod
     rows = list(csv.DictReader(open(study_dir / "study.csv")))
     assert [(r["run"], r["combination"], r["status"]) for r in rows] == [
         ("1", "pruner=none", "FINISHED"), ("2", "pruner=topk pruner.rate=0.5", "FINISHED"),
-        ("3", "pruner=topk pruner.rate=1.5", "FAILED")]
+        ("3", "pruner=topk pruner.rate=null", "FAILED")]
     none, topk, failed = rows
-    assert failed["error"].startswith("UserError: pruning rate P must be in [0, 1), got 1.5"), failed["error"]
+    assert failed["error"].startswith("UserError: set either `keep`"), failed["error"]
     for row in (none, topk):
         assert 0.0 <= float(row["acc_before"]) <= 1.0 and 0.0 <= float(row["acc_after"]) <= 1.0
         assert float(row["train_s"]) > 0 and float(row["peak_rss_mb"]) > 100  # a process holding torch

@@ -20,13 +20,9 @@ def child(spec_path: str) -> int:
     try:
         from omegaconf import OmegaConf
 
-        from gpo import registry
         from gpo.config import validate
 
-        raw = OmegaConf.to_container(OmegaConf.create(spec["config"]), resolve=True)
-        registry.load_builtins()
-        registry.load_plugins([str(m) for m in raw.get("plugins") or []])
-        cfg = validate(raw)
+        cfg = validate(OmegaConf.to_container(OmegaConf.create(spec["config"]), resolve=True))
         ranks = cfg.engine.num_processes > 1
         code = _run(cfg, extra)
         status, error = ("FINISHED", "") if code == 0 else ("FAILED", f"a rank exited with status {code}")

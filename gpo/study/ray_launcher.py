@@ -20,15 +20,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpo.run_config import as_dict
-
 from gpo.errors import UserError
+from gpo.run_config import as_dict
 
 
 def _run_on_worker(config: dict, run_dir: str, sys_path: list[str]) -> tuple[Any, Path]:
-    from gpo.study.runner import run_child
+    """On a Ray worker: the study's import path first (plug-ins the config names), then the run's own process."""
+    import sys
 
+    sys.path.extend(p for p in sys_path if p not in sys.path)  # appended: see gpo.study.child on vendored copies
     from gpo.config import validate
+    from gpo.study.runner import run_child
 
     return run_child(validate(config), Path(run_dir), sys_path=sys_path)
 

@@ -55,10 +55,6 @@ def study_from_args(args: list[str], config_files: list[str] = (), baseline: str
     args, config_files, baseline, study_dir = _resumed(list(args), list(config_files), baseline)
     the_plan = plan(args, config_files, baseline)
     options = the_plan.options
-    if options.parallel < 1:
-        raise UserError(f"study.parallel must be >= 1, got {options.parallel}.")
-    if options.launcher not in ("local", "ray"):
-        raise UserError(f"study.launcher must be `local` or `ray`, got `{options.launcher}`.")
     if options.launcher == "ray":
         from gpo.study.ray_launcher import require
 

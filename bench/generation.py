@@ -17,7 +17,6 @@ as `generate` does, against gpo's inverse-CDF draw) at the size's row count.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 from harness import add_common, engine, spread, table, write_section

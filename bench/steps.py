@@ -81,11 +81,12 @@ def main() -> None:
         trained = col(name, "train/rows")
         rows.append([name, f"{statistics.median(questions):.0f}", f"{statistics.median(trained):.0f}",
                      spread(col(name, "tokens/generated")),
-                     spread(gen(name)), spread(col(name, "time/logprobs")), spread(col(name, "time/update")), spread(step),
+                     spread(gen(name)), spread(col(name, "time/logprobs")), spread(col(name, "time/update")),
+                     spread(step),
                      spread([s / q for s, q in zip(step, questions)]),
                      spread([s / max(t, 1) for s, t in zip(step, trained)])])
-    headers = ["arm", "questions", "rows trained", "tokens generated", "generate+reward s", "logprobs s", "update s", "step s",
-               "s / question", "s / trained row"]
+    headers = ["arm", "questions", "rows trained", "tokens generated", "generate+reward s", "logprobs s", "update s",
+               "step s", "s / question", "s / trained row"]
 
     # Paired within a repeat: the GRPO step and the CPPO step of the same questions.
     share = [g / s for g, s in zip(gen("grpo"), col("grpo", "time/step"))]
@@ -105,15 +106,18 @@ def main() -> None:
     ])
     body = table(headers, rows) + "\n\n" + summary
     print(body)
-    note = (f"\n\nSizes: {args.model}, {eng.cfg.task.name}, B={args.questions}, G={args.group}, at most {args.max_new} new tokens, "
+    note = (f"\n\nSizes: {args.model}, {eng.cfg.task.name}, B={args.questions}, G={args.group}, "
+            f"at most {args.max_new} new tokens, "
             f"P={args.rate}, beta 0.04 (reference pass on), mu 1, optim.lr=0 (see below). One engine, one warm-up "
             f"step per arm, then {args.repeats} repeats, each running the arms on the same questions, in an order "
             "that rotates from repeat to repeat; cells are median (min-max). Generation share s (generate + reward, of "
-            f"the GRPO step) = {spread(share)}; bound = 1 / (s + (1-s)(1-P)) per repeat. One engine serves all arms (each swaps in "
-            "its pruner and allocator) with optim.lr=0: every step does all its work (gradients and an AdamW "
+            f"the GRPO step) = {spread(share)}; bound = 1 / (s + (1-s)(1-P)) per repeat. "
+            "One engine serves all arms (each swaps in its pruner and allocator) with optim.lr=0: "
+            "every step does all its work (gradients and an AdamW "
             "step) but the weights stay put, and each arm's step replays the same questions and seeds, so grpo "
             "and cppo-static generate identical completions (equal `tokens generated`) with the same weights in "
-            "memory, and Amdahl's premise, an unchanged generation phase, holds. `s / trained row` shows the price of the dynamic allocator: it generates 1/(1-P) times the completions "
+            "memory, and Amdahl's premise, an unchanged generation phase, holds. "
+            "`s / trained row` shows the price of the dynamic allocator: it generates 1/(1-P) times the completions "
             "to fill GRPO's rows, so per trained row it is slower, by design. It buys more questions seen per step.")
     write_section("steps", "Step speedup vs Amdahl's bound: GRPO vs CPPO", body + note, args)
 

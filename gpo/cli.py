@@ -131,10 +131,10 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
     from gpo import registry
     from gpo.config import split_args
-
-    from omegaconf import OmegaConf
 
     kind, rest = args.kind, list(args.args)
     if kind and "=" in kind:  # `gpo list plugins=[m]`: argparse took the override for the optional KIND

@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from gpo.run_config import EngineConfig, RunConfig
 from gpo.errors import UserError
+from gpo.run_config import EngineConfig, RunConfig
 
 
 def launched() -> bool:

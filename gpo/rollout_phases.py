@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from gpo.errors import UserError
-from gpo.types import RolloutBatch
 from gpo.selectors.variance import no_variance
+from gpo.types import RolloutBatch
 
 CONTINUATION_SEED = 1_000_033  # offsets a round's second-phase generation seeds from its first phase's
 TOLERANCE = 1e-6  # equal rewards for the zero-variance shares in the metrics (exact for binary rewards)

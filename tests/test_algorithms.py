@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
-from test_ops import LN2, micro_batch
 
 from gpo import ops, registry
 from gpo.algorithms.base import BaseObjective, ObjectiveConfig, PPOClip, StdScaledAdvantages
 from gpo.errors import UserError
 from gpo.types import StepTotals
+from test_ops import LN2, micro_batch
 
 ALGOS = ("grpo", "dapo", "dr_grpo")
 

@@ -13,7 +13,6 @@ import yaml
 
 from gpo import cli, registry
 from gpo.run_config import OptimConfig
-
 from kit import fresh_registry, make_plugin, run_gpo_all  # noqa: F401  (fresh_registry is a fixture)
 
 
@@ -140,7 +139,7 @@ def test_list_of_an_unknown_kind_exits_2(capsys):
     assert "unknown kind `prunr`; kinds are algo, selector, pruner" in capsys.readouterr().err
 
 
-def test_list_takes_a_plugins_override_without_a_kind(tmp_path, monkeypatch, capsys, fresh_registry):
+def test_list_takes_a_plugins_override_without_a_kind(tmp_path, monkeypatch, capsys, fresh_registry):  # noqa: F811
     monkeypatch.syspath_prepend(str(make_plugin(tmp_path, "gpo_test_list_mod", "every_fourth", entry_point=False)))
     assert cli.main(["list", "plugins=[gpo_test_list_mod]"]) == 0
     assert "  every_fourth Keep every second completion (a test plug-in)." in capsys.readouterr().out

@@ -17,10 +17,9 @@ from omegaconf import OmegaConf
 
 from gpo import config, registry
 from gpo.config import compose
-from gpo.run_config import as_dict
 from gpo.errors import UserError
 from gpo.registry import register
-
+from gpo.run_config import as_dict
 from kit import REPO, fresh_registry, make_plugin  # noqa: F401  (fresh_registry is a fixture)
 
 # --- a config tree of our own ----------------------------------------------------------------------------------
@@ -52,15 +51,15 @@ TREE = {
 
 
 @pytest.fixture
-def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_registry) -> Path:
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_registry) -> Path:  # noqa: F811 (the fixture)
     """configs/ of TREE, with components a, q, p1, p2, p3 (a plug-in without YAML), s, t, b, n registered."""
     for rel, text in TREE.items():
         path = tmp_path / "configs" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(line.strip() for line in text.splitlines()))
     monkeypatch.setattr(config, "CONFIG_ROOT", tmp_path / "configs")
-    for kind, name in [("algo", "a"), ("selector", "q"), ("pruner", "p1"), ("pruner", "p2"), ("pruner", "p3"), ("allocator", "s"),
-                       ("task", "t"), ("backend", "b"), ("tracker", "n")]:
+    for kind, name in [("algo", "a"), ("selector", "q"), ("pruner", "p1"), ("pruner", "p2"), ("pruner", "p3"),
+                       ("allocator", "s"), ("task", "t"), ("backend", "b"), ("tracker", "n")]:
         register(kind, name, config=StubConfig)(type(f"Stub_{kind}_{name}", (), {"__doc__": "A stub."}))
     return tmp_path
 
@@ -76,8 +75,8 @@ def test_base_alone_takes_its_defaults_and_the_picked_files(tree):
     assert cfg.train.steps == 30  # base.yaml
     assert cfg.train.group_size == 8  # TrainConfig's default, base.yaml does not set it
     assert cfg.model.path == "tiny"  # model/m.yaml
-    assert set(as_dict(cfg)) == {"seed", "plugins", "output_dir", "run_name", "resume", "model", "train", "optim", "eval",
-                        "checkpoint", "engine", "algo", "selector", "pruner", "allocator", "task", "backend",
+    assert set(as_dict(cfg)) == {"seed", "plugins", "output_dir", "run_name", "resume", "model", "train", "optim",
+                        "eval", "checkpoint", "engine", "algo", "selector", "pruner", "allocator", "task", "backend",
                         "tracker"}
 
 
@@ -198,7 +197,8 @@ def test_an_unknown_pick_lists_the_valid_choices(tree):
 
 
 def test_a_component_group_without_a_pick_asks_for_one(tree):
-    (tree / "configs" / "base.yaml").write_text("defaults: {algo: a, selector: q, pruner: p1, allocator: s, backend: b, tracker: n}")
+    (tree / "configs" / "base.yaml").write_text(
+        "defaults: {algo: a, selector: q, pruner: p1, allocator: s, backend: b, tracker: n}")
     assert _error([]).startswith("`task` is missing: pick one with `task=NAME` (choices: t)")
 
 

@@ -21,7 +21,6 @@ from gpo import registry
 from gpo.config import TrainConfig, compose
 from gpo.run_config import as_dict
 from gpo.types import RolloutBatch
-
 from kit import REPO
 
 DATA = REPO.parent / "shared" / "data"

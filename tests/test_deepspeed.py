@@ -4,7 +4,6 @@ move the parameters, and land where one plain process lands; only rank 0 saves. 
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -12,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_multiprocess import COMMON, finish, records, start
 
 from gpo.config import EngineConfig, OptimConfig, TrainConfig
 from gpo.parallel import deepspeed_config
+from test_multiprocess import COMMON, finish, records, start
 
 pytest.importorskip("deepspeed")
 

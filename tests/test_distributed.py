@@ -1,4 +1,5 @@
-"""Multi-rank helpers: no-ops on one process, even sharding, and a real 2-process gloo run of gather -> prune -> shard."""
+"""Multi-rank helpers: no-ops on one process, even sharding, and a real 2-process gloo run of
+gather -> prune -> shard."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_pruners import make_batch
 
 from gpo import distributed, registry
 from gpo.errors import UserError
+from test_pruners import make_batch
 
 registry.load_builtins()
 

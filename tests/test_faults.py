@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_multiprocess import COMMON, PLUGINS, finish, start
 
 from gpo import checkpoint
 from gpo.config import compose
 from gpo.errors import UserError
 from gpo.tasks.math import Math, MathConfig
+from test_multiprocess import COMMON, PLUGINS, finish, start
 
 sys.path.insert(0, str(PLUGINS))  # gpo_toy for the runs in this process
 
@@ -214,9 +214,9 @@ def test_every_rank_takes_rank_zeros_run_name(tmp_path):
     # into their own run folder: rank 1's RNG state outside rank 0's checkpoint, which a resume then loses without
     # a word (Accelerate only logs "Could not load random states"). The engine takes rank 0's name.
     import torch.multiprocessing as mp
-    from test_distributed import _free_port
 
     from gpo.distributed import from_rank_zero
+    from test_distributed import _free_port
 
     assert from_rank_zero("alone") == "alone"
     mp.spawn(_name_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)

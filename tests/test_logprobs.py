@@ -115,4 +115,5 @@ def test_sliding_window_models_do_not_share_prompts():
     assert supports_prompt_sharing(MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None)))
     assert not supports_prompt_sharing(Qwen2ForCausalLM(Qwen2Config(**SIZES, use_sliding_window=True,
                                                                      sliding_window=4, max_window_layers=0)))
-    assert not TokenLogprobs(MistralForCausalLM(MistralConfig(**SIZES, sliding_window=4)), share_prompt=True).share_prompt
+    sliding = MistralForCausalLM(MistralConfig(**SIZES, sliding_window=4))
+    assert not TokenLogprobs(sliding, share_prompt=True).share_prompt

@@ -66,7 +66,8 @@ def test_two_ranks_train_exactly_what_one_process_trains(tiny_model_path, tmp_pa
 
     # The same global step: equal parameters, and they did move away from the initial weights.
     initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
-    p1, p2 = load_file(str(tmp_path / "one/final/model.safetensors")), load_file(str(tmp_path / "two/final/model.safetensors"))
+    p1 = load_file(str(tmp_path / "one/final/model.safetensors"))
+    p2 = load_file(str(tmp_path / "two/final/model.safetensors"))
     assert p1.keys() == p2.keys()
     for name in p1:
         torch.testing.assert_close(p2[name], p1[name], atol=1e-5, rtol=0, msg=name)

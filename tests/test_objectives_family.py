@@ -15,12 +15,12 @@ import re
 import pytest
 import torch
 from pydantic import ValidationError
-from test_algorithms import REWARDS, assert_micro_batches_sum_to_the_step, build
-from test_ops import LN2, micro_batch
 
 from gpo import registry
 from gpo.errors import UserError
 from gpo.types import StepTotals
+from test_algorithms import REWARDS, assert_micro_batches_sum_to_the_step, build
+from test_ops import LN2, micro_batch
 
 NEW = ("gspo", "cispo", "sapo", "gmpo", "rloo", "reinforce_pp")
 TOL = 1e-6

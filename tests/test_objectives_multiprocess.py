@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from test_multiprocess import COMMON, finish, records, start
 
 

@@ -171,7 +171,8 @@ def test_aggregations_by_hand():
     assert ops.token_sum_norm(LOSS, MASK, totals, normaliser=5).item() == 0.5
 
 
-@pytest.mark.parametrize("aggregate", [ops.seq_mean, ops.token_mean, lambda l, m, t: ops.token_sum_norm(l, m, t, 7)])
+@pytest.mark.parametrize("aggregate",
+                         [ops.seq_mean, ops.token_mean, lambda loss, m, t: ops.token_sum_norm(loss, m, t, 7)])
 def test_micro_batch_shares_add_up_to_the_step(aggregate):
     torch.manual_seed(0)
     loss = torch.randn(6, 5, dtype=torch.float64)  # [N, L]

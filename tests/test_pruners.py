@@ -3,9 +3,8 @@ world size, typed configs, and invariants (hypothesis)."""
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 
 import pytest
 import torch

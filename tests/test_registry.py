@@ -11,7 +11,6 @@ import torch
 from gpo import registry
 from gpo.errors import UserError, did_you_mean
 from gpo.registry import register
-
 from kit import fresh_registry, make_plugin  # noqa: F401  (fresh_registry is a fixture)
 
 pytestmark = pytest.mark.usefixtures("fresh_registry")

@@ -160,7 +160,7 @@ def test_groups_table_pairs_by_seed_and_says_when_there_is_no_difference(tmp_pat
     # eval.tasks scored the run's own task: the rates table reports that test accuracy (blank where not logged)
     assert rates[0]["accuracy (arith test)"] == "" and float(rates[1]["accuracy (arith test)"]) == pytest.approx(
         (0.3 + 0.25 + 0.25) / 3)
-    assert float(runs[3]["arith_pass_at_2"]) == pytest.approx(0.4) and runs[0]["arith_accuracy"] == "" 
+    assert float(runs[3]["arith_pass_at_2"]) == pytest.approx(0.4) and runs[0]["arith_accuracy"] == ""
     assert (tmp_path / "out" / "rates.png").read_bytes()[:4] == b"\x89PNG"
     assert "By pruning rate" in md
 

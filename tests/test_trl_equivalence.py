@@ -31,11 +31,11 @@ from collections import defaultdict
 
 import pytest
 import torch
-from test_algorithms import build
-from test_ops import micro_batch
 
 from gpo import ops
 from gpo.types import StepTotals
+from test_algorithms import build
+from test_ops import micro_batch
 
 trainer_module = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL (the `dev` extra) is not installed")
 GRPOTrainer = trainer_module.GRPOTrainer

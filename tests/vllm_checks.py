@@ -17,7 +17,8 @@ from gpo.types import Sampling
 
 
 def build_tiny_model(path: Path) -> str:
-    """A 2-layer Llama with SmolLM2's tokenizer and tied embeddings; head_dim 64, which vLLM's CPU attention supports."""
+    """A 2-layer Llama with SmolLM2's tokenizer and tied embeddings; head_dim 64, which vLLM's CPU attention
+    supports."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -127,8 +128,8 @@ def _logprobs_with_grad(policy, prompt, completion):
 def _rank_checks(workdir: Path, engine_name: str) -> dict:
     """One rank of a 2-rank run with backend=vllm: each rank's own engine generates its share, the step's sync
     reaches every rank's engine (under ZeRO-3 from gathered shards), and a skipped sync shows on every rank."""
-    from gpo.engine import Engine
     from gpo.config import compose
+    from gpo.engine import Engine
     from gpo.rollout import encode_prompts
 
     engine = Engine(compose([
@@ -138,7 +139,7 @@ def _rank_checks(workdir: Path, engine_name: str) -> dict:
         "train.micro_batch_size=8", "optim.lr=1e-2", "optim.warmup_ratio=0", "optim.schedule=constant",
         "eval.before_and_after=false",
     ]))
-    tok, policy, backend = engine.tokenizer, engine.policy, engine.backend
+    tok, backend = engine.tokenizer, engine.backend
     generated = []  # the prompts this rank's vLLM engine was asked for
     plain_generate = backend.generate
 

@@ -20,8 +20,16 @@ tables, plots, report (writing the outputs), ray_launcher (study.launcher=ray).
 from gpo.study.grid import Plan, PlannedRun, plan, split_values
 from gpo.study.report import report, write_outputs
 from gpo.study.runner import study_from_args
-from gpo.study.store import (TAG_BASELINE, TAG_COMBINATION, TAG_ERROR, TAG_GROUP, TAG_INDEX, TAG_PARENT, TAG_ROLE,
-                             RunRecord)
+from gpo.study.store import (
+    TAG_BASELINE,
+    TAG_COMBINATION,
+    TAG_ERROR,
+    TAG_GROUP,
+    TAG_INDEX,
+    TAG_PARENT,
+    TAG_ROLE,
+    RunRecord,
+)
 from gpo.study.tables import table
 
 __all__ = ["Plan", "PlannedRun", "RunRecord", "TAG_BASELINE", "TAG_COMBINATION", "TAG_ERROR", "TAG_GROUP",

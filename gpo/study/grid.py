@@ -11,9 +11,9 @@ summarise with confidence intervals and pair with the baseline by seed.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -16,13 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpo.study.stats import (Interval, difference_interval, mean_interval, paired, speedup_interval, t_quantile,
-                             verdict)
+from gpo.study.stats import Interval, difference_interval, mean_interval, paired, speedup_interval, t_quantile, verdict
 from gpo.study.store import PEAK_GPU, PEAK_RSS, RunRecord
 
-RUN_COLUMNS = ["run", "combination", "group", "seed", "baseline", "status", "error", "acc_before", "acc_after", "final_reward",
-               "train_s", "speedup", "kept_frac", "tokens_generated", "tokens_trained", "questions_dropped_frac",
-               "completions_frac", "tokens_per_useful_row", "peak_rss_mb", "peak_gpu_mb", "wall_s", "run_id"]
+RUN_COLUMNS = ["run", "combination", "group", "seed", "baseline", "status", "error", "acc_before", "acc_after",
+               "final_reward", "train_s", "speedup", "kept_frac", "tokens_generated", "tokens_trained",
+               "questions_dropped_frac", "completions_frac", "tokens_per_useful_row", "peak_rss_mb", "peak_gpu_mb",
+               "wall_s", "run_id"]
 # Final evaluation metrics beyond eval/after/accuracy: sampled-evaluation scores and further tasks (eval.tasks).
 EXTRA_EVAL = re.compile(r"eval/after/(?:(?P<task>[\w.-]+)/)?(?P<metric>accuracy|(?:pass|avg|maj)_at_\d+)")
 FORMATS = {"acc_before": "{:.3f}", "acc_after": "{:.3f}", "final_reward": "{:.3f}", "train_s": "{:.1f}",

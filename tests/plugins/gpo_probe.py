@@ -47,4 +47,5 @@ def save_pretrained(self, *args, **kwargs):
     return _save(self, *args, **kwargs)
 
 
-engine.shard, engine.Engine.__init__, engine.Engine.step, PreTrainedModel.save_pretrained = shard, init, step, save_pretrained
+engine.shard, engine.Engine.__init__, engine.Engine.step = shard, init, step
+PreTrainedModel.save_pretrained = save_pretrained

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gpo.distributed import all_reduce_values
-from gpo.ops import advantage_metrics
+from gpo.ops import zero_variance_groups
 from gpo.pruners.ranking import group_index
 from gpo.rollout_phases import RoundLedger
 from gpo.types import RolloutBatch
@@ -41,6 +41,28 @@ def rollout_metrics(seen: list[RolloutBatch], candidates: list[tuple[RolloutBatc
     useful = sum(int((b.advantages[k].abs() > 0).sum()) for b, k in candidates)  # trained rows with signal
     out.update(selection_metrics(spent, G, useful))  # tokens/generated counts screened-out rows too
     return out
+
+
+def advantage_metrics(rewards: Tensor, advantages: Tensor) -> dict[str, float]:
+    """Logged after advantages are computed: [B, G] rewards and advantages -> scalars.
+
+    Stds here are over all B*G values (Bessel-corrected); `zero_std_frac` is the share of groups (not rows)
+    whose rewards are all equal.
+    """
+    adv = advantages.detach().to(torch.float64).flatten()  # [N]
+    rew = rewards.detach().to(torch.float64).flatten()  # [N]
+
+    def std(x: Tensor) -> float:
+        return x.std().item() if x.numel() > 1 else 0.0
+
+    return {
+        "adv/mean": adv.mean().item(),
+        "adv/std": std(adv),
+        "adv/abs_mean": adv.abs().mean().item(),
+        "zero_std_frac": zero_variance_groups(rewards).to(torch.float64).mean().item(),
+        "reward/mean": rew.mean().item(),
+        "reward/std": std(rew),
+    }
 
 
 def _mean(x: Tensor) -> float:

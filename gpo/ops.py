@@ -105,28 +105,6 @@ def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, factor: floa
     return (-excess / buffer * factor).clamp(max=0.0)
 
 
-def advantage_metrics(rewards: Tensor, advantages: Tensor) -> dict[str, float]:
-    """Logged after advantages are computed: [B, G] rewards and advantages -> scalars.
-
-    Stds here are over all B*G values (Bessel-corrected); `zero_std_frac` is the share of groups (not rows)
-    whose rewards are all equal.
-    """
-    adv = advantages.detach().to(torch.float64).flatten()  # [N]
-    rew = rewards.detach().to(torch.float64).flatten()  # [N]
-
-    def std(x: Tensor) -> float:
-        return x.std().item() if x.numel() > 1 else 0.0
-
-    return {
-        "adv/mean": adv.mean().item(),
-        "adv/std": std(adv),
-        "adv/abs_mean": adv.abs().mean().item(),
-        "zero_std_frac": zero_variance_groups(rewards).to(torch.float64).mean().item(),
-        "reward/mean": rew.mean().item(),
-        "reward/std": std(rew),
-    }
-
-
 # --- per-token terms --------------------------------------------------------------------------------------------
 
 

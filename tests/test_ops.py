@@ -9,6 +9,7 @@ import torch
 
 from gpo import ops
 from gpo.errors import UserError
+from gpo.metrics import advantage_metrics
 from gpo.types import RolloutBatch, StepTotals
 
 LN2 = math.log(2.0)
@@ -92,7 +93,7 @@ def test_overlong_penalty_by_hand():
 def test_advantage_metrics_by_hand():
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     adv = torch.tensor([[1.0, -1.0], [0.0, 0.0]])
-    m = ops.advantage_metrics(rewards, adv)
+    m = advantage_metrics(rewards, adv)
     assert m["adv/mean"] == 0.0
     assert m["adv/std"] == pytest.approx(math.sqrt(2 / 3))  # (1 + 1 + 0 + 0) / 3
     assert m["adv/abs_mean"] == 0.5  # (1 + 1) / 4

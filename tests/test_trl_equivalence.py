@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from gpo import ops
+from gpo.metrics import advantage_metrics
 from gpo.types import StepTotals
 from test_algorithms import build
 from test_ops import micro_batch
@@ -162,7 +163,7 @@ def test_advantages_match_trl(gen, name, cfg, scale_rewards):
     ours = build(name, **cfg).advantages(rewards)
     assert_close(ours.flatten(), out["advantages"])
     assert torch.equal(ours[:2], torch.zeros(2, 4, dtype=torch.float64))  # exactly 0 where TRL may leave 1e-13
-    metrics = ops.advantage_metrics(rewards, ours)
+    metrics = advantage_metrics(rewards, ours)
     assert metrics["zero_std_frac"] == pytest.approx(trl_metrics["frac_reward_zero_std"][0])
     assert metrics["reward/mean"] == pytest.approx(trl_metrics["reward"][0])
     assert metrics["reward/std"] == pytest.approx(trl_metrics["reward_std"][0])

@@ -71,7 +71,7 @@ def test_build_accepts_none_a_mapping_or_the_dataclass_and_passes_context():
 
 def test_build_with_an_unknown_key_names_it_and_the_closest():
     entry = registry.get("pruner", _pruner("topk").registry_name)
-    with pytest.raises(UserError, match=r"`pruner.rat`.*Did you mean `rate`\?"):
+    with pytest.raises(UserError, match=r"`pruner.rat`.*Did you mean `pruner.rate`\?"):
         entry.build({"rat": 0.5})
 
 

@@ -48,11 +48,34 @@ def step_metrics(run_dir: Path) -> dict[int, float]:
     return {m.step: m.value for m in history}
 
 
-@pytest.mark.slow
-def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_model_path, tmp_path):
-    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON]
-    finish(gpo([*base, "run_name=straight", "tracker=mlflow"]))
+class Straight:
+    """The uninterrupted 4-step MLflow run: started once, in the background, read by two tests."""
 
+    def __init__(self, proc: subprocess.Popen, run_dir: Path) -> None:
+        self.proc, self.run_dir, self.out = proc, run_dir, None
+
+    def finished(self) -> Path:
+        if self.out is None:
+            self.out, _ = self.proc.communicate(timeout=300)
+        assert self.proc.returncode == 0, self.out
+        return self.run_dir
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    run = Straight(gpo([f"model={tiny_model_path}", f"output_dir={out}", *COMMON, "run_name=straight",
+                        "tracker=mlflow"]), out / "straight")
+    yield run
+    if run.proc.poll() is None:  # a test failed before waiting for it
+        run.proc.kill()
+        run.proc.wait()
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_reproduces_the_uninterrupted_run(straight, tiny_model_path, tmp_path):
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON]
+    # The victim starts beside the uninterrupted run (one core each) rather than after it.
     victim = gpo([*base, "run_name=killed", "tracker=mlflow"], start_new_session=True)
     marker = tmp_path / "killed" / "checkpoints" / "step-0000002" / "trainer_state.json"
     deadline = time.time() + 240
@@ -67,11 +90,12 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_model_path, tm
     out = finish(gpo([*base, "run_name=killed", "tracker=mlflow", "resume=auto"]))
     assert "resumed from" in out
 
-    straight, resumed = params(tmp_path / "straight"), params(tmp_path / "killed")
-    assert straight.keys() == resumed.keys()
-    for name in straight:
-        torch.testing.assert_close(resumed[name], straight[name], atol=1e-6, rtol=0)
-    expected, got = step_metrics(tmp_path / "straight"), step_metrics(tmp_path / "killed")
+    straight_dir = straight.finished()
+    uninterrupted, resumed = params(straight_dir), params(tmp_path / "killed")
+    assert uninterrupted.keys() == resumed.keys()
+    for name in uninterrupted:
+        torch.testing.assert_close(resumed[name], uninterrupted[name], atol=1e-6, rtol=0)
+    expected, got = step_metrics(straight_dir), step_metrics(tmp_path / "killed")
     assert set(expected) == {1, 2, 3, 4}
     for step in got:  # steps logged before the kill and after the resume
         assert got[step] == pytest.approx(expected[step], abs=1e-6)
@@ -81,12 +105,11 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tiny_model_path, tm
 
 
 @pytest.mark.slow
-def test_mlflow_run_holds_params_metrics_config_and_final_model(tiny_model_path, tmp_path):
+def test_mlflow_run_holds_params_metrics_config_and_final_model(straight):
+    """Read from the uninterrupted run above (no run of its own: a `gpo run` process costs ~15 s of a core)."""
     from mlflow.tracking import MlflowClient
 
-    finish(gpo([f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON, "run_name=tracked",
-                "tracker=mlflow", "train.steps=2", "checkpoint.every=0"]))
-    run_dir = tmp_path / "tracked"
+    run_dir = straight.finished()
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     (run,) = client.search_runs(client.get_experiment_by_name("gpo").experiment_id)
     assert run.data.params["algo.name"] == "grpo" and run.data.params["pruner.rate"] == "0.5"
@@ -94,7 +117,7 @@ def test_mlflow_run_holds_params_metrics_config_and_final_model(tiny_model_path,
                 "time/reward", "time/logprobs", "time/update", "tokens/generated", "tokens/trained",
                 "completion/length_mean", "zero_std_frac", "kl/mean", "clip/low_frac"):
         history = client.get_metric_history(run.info.run_id, key)
-        assert [m.step for m in history] == [1, 2], key
+        assert [m.step for m in history] == [1, 2, 3, 4], key
     assert run.data.tags["final_model"].endswith("final")
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "config.yaml" in artifacts

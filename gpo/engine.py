@@ -35,6 +35,7 @@ from gpo.rollout_phases import (CONTINUATION_SEED, Call, RoundLedger, joined, le
                                 rewards_by_question, whole_groups)
 from gpo.sampler import QuestionStream
 from gpo.step_math import kept_rows, score_groups, step_totals
+from gpo.tracking import flatten
 from gpo.run_config import RunConfig, as_dict
 from gpo.types import RolloutBatch, Sampling, StepTotals
 
@@ -347,7 +348,7 @@ class Engine:
         if self.accelerator.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        self.tracker.start(self.run_name, _flatten(as_dict(self.cfg)), to_yaml(self.cfg))
+        self.tracker.start(self.run_name, flatten(as_dict(self.cfg)), to_yaml(self.cfg))
         summary: dict[str, float] = {}
         started = time.perf_counter()
         if E.before_and_after and self.step_index == 0:
@@ -444,15 +445,6 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
 
 
 def _say(message: str) -> None:

@@ -30,7 +30,7 @@ from gpo.errors import UserError
 from gpo.types import Backend, Example, Grade, Sampling, Task
 
 # `gpo eval` shorthands -> config keys. A bare `gpo eval` scores the whole test split, unlike validation
-# during training (eval.split=validation, eval.limit from base.yaml).
+# during training (eval.split=validation, eval.limit from EvalConfig).
 SHORTHANDS = {"split": "eval.split", "limit": "eval.limit"}
 CLI_DEFAULTS = ["eval.split=test", "eval.limit=0"]
 EVAL_SEED = 0  # greedy decoding ignores it; passed because backends take one
@@ -59,11 +59,13 @@ def pass_ks(samples: int, wanted: Sequence[int] = ()) -> list[int]:
 def majority_vote(task: Task, completions: Sequence[str], grades: Sequence[Grade], example: Example) -> int | None:
     """The index of a completion holding the most voted answer (see module doc), None when none has an answer."""
     reps: list[int] = []  # one completion per distinct answer, in order of first appearance
+    answers: list[str] = []  # reps' extracted answers, stripped
     votes: list[int] = []
     for i, grade in enumerate(grades):
         if grade.extracted is None:
             continue
-        match = next((j for j, r in enumerate(reps) if grades[r].extracted.strip() == grade.extracted.strip()), None)
+        answer = grade.extracted.strip()
+        match = next((j for j, known in enumerate(answers) if known == answer), None)
         if match is None and reps:
             # Graded both ways round: a grader may normalise the prediction more than the gold (gsm8k drops `$`).
             pairs = [(i, r) for r in reps] + [(r, i) for r in reps]
@@ -73,6 +75,7 @@ def majority_vote(task: Task, completions: Sequence[str], grades: Sequence[Grade
             match = hits[0] if hits else None
         if match is None:
             reps.append(i)
+            answers.append(answer)
             votes.append(1)
         else:
             votes[match] += 1

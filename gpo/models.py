@@ -132,7 +132,7 @@ def load_policy(cfg: ModelConfig, trainable: bool = True) -> Any:
         raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got `{cfg.dtype}`.")
     source = resolve_path(cfg.path)
     with _loading("model", cfg.path, cfg):
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             source, dtype=getattr(torch, cfg.dtype), trust_remote_code=cfg.trust_remote_code
         )
     if not trainable:
@@ -316,8 +316,9 @@ def _cached_gguf(gguf: Path, packaged: PackagedModel | None = None) -> Path:
     if not gguf.is_file():
         raise UserError(f"GGUF file `{gguf}` does not exist.")
     stat = gguf.stat()
-    changes = packaged and (packaged.chat_template or packaged.eos_token)  # none: the key of a plain GGUF file
-    extra = f":{packaged.chat_template}:{packaged.eos_token}" if changes else ""
+    changes = packaged is not None and (packaged.chat_template or packaged.eos_token)
+    # Nothing added: the key of a plain GGUF file.
+    extra = f":{packaged.chat_template}:{packaged.eos_token}" if packaged is not None and changes else ""
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}{extra}".encode()).hexdigest()[:16]
     target = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
@@ -326,7 +327,7 @@ def _cached_gguf(gguf: Path, packaged: PackagedModel | None = None) -> Path:
 
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     with _loading("GGUF model", str(gguf), ModelConfig(path=str(gguf))):
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if packaged is not None and packaged.chat_template and not tokenizer.chat_template:
         tokenizer.chat_template = packaged.chat_template

@@ -218,7 +218,8 @@ def full_parameters(model: nn.Module) -> Iterator[None]:
     if partitioned:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-        partitioned = [p for p in partitioned if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        status = ZeroParamStatus.NOT_AVAILABLE
+        partitioned = [p for p in partitioned if p.ds_status == status]  # type: ignore[attr-defined]
     if not partitioned:
         yield
         return
@@ -238,7 +239,7 @@ def full_state_dict(accelerator: Any, module: Any) -> dict[str, torch.Tensor] | 
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} if state else state
 
 
-def _register_head(module: nn.Module) -> None:
+def _register_head(module: Any) -> None:  # a TokenLogprobs: the causal LM is its `.model`
     import deepspeed
 
     deepspeed.zero.register_external_parameter(module, module.model.get_output_embeddings().weight)

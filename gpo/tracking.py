@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,7 +138,7 @@ class MlflowTracker:
             )
         self.run_dir = Path(run_dir).resolve()
         self.local_store = cfg.uri is None
-        self.uri = f"sqlite:///{self.run_dir / 'mlflow.db'}" if self.local_store else cfg.uri
+        self.uri: str = f"sqlite:///{self.run_dir / 'mlflow.db'}" if cfg.uri is None else cfg.uri
         self.fallback_path = self.run_dir / FALLBACK_FILE
         self.fallback_reason: str | None = None  # set once the store proved unreachable
         self.run_id: str | None = None
@@ -263,7 +263,8 @@ class MlflowTracker:
                 raise
             raise UserError(f"tracker.parent_run_id `{self.cfg.parent_run_id}`: no such run in {self.uri}.") from None
 
-    def _log_batch(self, metrics: list[tuple] = (), params: list[tuple] = (), tags: list[tuple] = ()) -> None:
+    def _log_batch(self, metrics: Sequence[tuple] = (), params: Sequence[tuple] = (),
+                   tags: Sequence[tuple] = ()) -> None:
         """One log_batch request, or a few when MLflow's per-request limits force a split."""
         from mlflow.entities import Metric, Param, RunTag
 
@@ -273,8 +274,8 @@ class MlflowTracker:
         for i in range(max(len(metric_chunks), len(keyed_chunks))):
             chunk_m = metric_chunks[i] if i < len(metric_chunks) else []
             chunk_k = keyed_chunks[i] if i < len(keyed_chunks) else []
-            ok = self._try(
-                lambda: self._client.log_batch(
+            ok = self._try(  # called at once; the defaults bind this iteration's chunks all the same
+                lambda chunk_m=chunk_m, chunk_k=chunk_k: self._client.log_batch(
                     self.run_id,
                     metrics=chunk_m,
                     params=[e for e in chunk_k if isinstance(e, Param)],

@@ -138,7 +138,7 @@ class Math:
         if todo:
             if self._pool is None:
                 self._pool = VerifierPool(self.cfg.workers or available_cores(), self.cfg.verify_timeout_s)
-            results = self._pool.run([(examples[i]["gold"], predictions[i]) for i in todo])
+            results = self._pool.run([(examples[i]["gold"], str(predictions[i])) for i in todo])  # not None: todo
             for i, verdict in zip(todo, results):
                 verdicts[i] = verdict
         return verdicts
@@ -270,7 +270,8 @@ def _serve(conn: Connection, limit_s: float) -> None:
             return
         if job is None:
             return
-        conn.send(_bounded(*job, limit_s=limit_s))
+        gold, prediction = job
+        conn.send(_bounded(gold, prediction, limit_s=limit_s))
 
 
 def _bounded(gold: str, prediction: str, limit_s: float) -> Verdict:

@@ -30,14 +30,15 @@ def test_the_protocols_declare_close():
     assert "generates_with_policy" in Backend.__annotations__
 
 
-@pytest.mark.parametrize("kind, name", [("task", n) for n in BUILTIN_TASKS] + [("backend", n) for n in BUILTIN_BACKENDS])
+@pytest.mark.parametrize("kind, name",
+                         [("task", n) for n in BUILTIN_TASKS] + [("backend", n) for n in BUILTIN_BACKENDS])
 def test_builtins_implement_every_protocol_method(kind, name):
     cls = registry.get(kind, name).cls
     protocol = Task if kind == "task" else Backend
     missing = [m for m in _protocol_methods(protocol) if not callable(getattr(cls, m, None))]
     assert not missing, f"{kind} `{name}` lacks {missing}"
     # Its own method, not the Protocol's empty body (the classes do not inherit from the Protocols).
-    assert cls.close is not getattr(protocol, "close")
+    assert cls.close is not protocol.close
 
 
 def test_backends_say_whether_they_generate_with_the_policy():

@@ -14,7 +14,6 @@ from gpo.config import ModelConfig
 from gpo.errors import UserError
 from gpo.models import load_policy, load_tokenizer, resolve_path
 from gpo.rollout import encode_prompts, fold_system_message
-
 from kit import run_gpo_all
 
 NOT_CACHED = "gpo-tests/no-such-model-in-any-cache"

@@ -249,7 +249,7 @@ def test_vllm_starts_only_when_first_used_and_needs_a_local_model_dir():
     backend = _vllm_backend(path="HuggingFaceTB/SmolLM2-135M-Instruct")  # building starts nothing (gpo list, contracts)
     backend.sync_weights(backend.model)  # before the start: only remembered
     with pytest.raises(UserError, match="local model directory; `HuggingFaceTB/SmolLM2-135M-Instruct` is not one"):
-        backend.llm
+        _ = backend.llm
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message shown when vllm is missing")

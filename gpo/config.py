@@ -142,7 +142,7 @@ def validated(node: Mapping[str, Any], schema: type, path: str) -> Any:
     UserErrors with the full key path (`path` is the section's own, e.g. "train" or "pruner")."""
     node = _plain(node)
     _check_keys(node, schema, path)
-    node = _numbers_as_text(node, schema)
+    node = _over_defaults(_numbers_as_text(node, schema), schema)
     from pydantic import ValidationError
 
     try:
@@ -265,15 +265,28 @@ def _range_hint(schema: type, loc: list[str]) -> str:
 
 
 def _hint_at(schema: Any, loc: list[str]) -> Any:
+    """The annotation at a pydantic error location: field names in dataclasses, indices in tuples."""
+    hint = schema
     for part in loc:
-        if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        core = _core(hint)
+        if part.isdigit() and typing.get_origin(core) in (tuple, list):
+            args = [a for a in typing.get_args(core) if a is not Ellipsis]
+            hint = args[0] if len(args) == 1 else (args[int(part)] if int(part) < len(args) else None)
+        elif isinstance(core, type) and dataclasses.is_dataclass(core):
+            hint = _hints(core).get(part)
+        else:
             return None
-        schema = _hints(schema).get(part)
-    return schema
+    return hint
+
+
+def _core(hint: Any) -> Any:
+    """Annotated[X, ...] -> X; X | None -> X (the type a value of the field has when it is set)."""
+    options = [h for h in _flatten_hint(hint) if h is not type(None)]
+    return options[0] if len(options) == 1 else hint
 
 
 def _choices_at(schema: type, loc: list[str]) -> list[Any] | None:
-    hint = _hint_at(schema, [p for p in loc if not p.isdigit()])
+    hint = _hint_at(schema, loc)
     for arg in _flatten_hint(hint):
         if typing.get_origin(arg) is typing.Literal:
             return list(typing.get_args(arg))
@@ -328,6 +341,19 @@ def _numbers_as_text(node: dict[str, Any], schema: type) -> dict[str, Any]:
             options = _flatten_hint(_hints(schema).get(key))
             if str in options and not ({int, float} & set(options)):
                 out[key] = str(value)
+    return out
+
+
+def _over_defaults(node: dict[str, Any], schema: type) -> dict[str, Any]:
+    """A nested section given in part (`task.train.path=...`) keeps the field's other defaults: the mapping is laid
+    over the field's default dataclass, as a YAML layer would be."""
+    out = dict(node)
+    for f in dataclasses.fields(schema):
+        value = node.get(f.name)
+        default = (f.default_factory() if f.default_factory is not dataclasses.MISSING  # type: ignore[misc]
+                   else f.default)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(default) and not isinstance(default, type):
+            out[f.name] = {**as_dict(default), **_over_defaults(dict(value), type(default))}
     return out
 
 

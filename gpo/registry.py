@@ -58,10 +58,28 @@ class Entry:
             from gpo.config import validated  # the composer's own checks, so one place says what is wrong
 
             cfg = validated(dict(cfg), self.config, self.kind)
-        return self.cls(cfg, **context)
+        built = self.cls(cfg, **context)
+        missing = missing_members(self.kind, built)
+        if missing:  # a plug-in written against an older interface: say so before it fails mid-run
+            raise UserError(f"{self.kind} `{self.name}` ({_qualified(self.cls)}) lacks {', '.join(missing)} of the "
+                            f"{INTERFACES[self.kind]} interface (gpo/types.py); add {'it' if len(missing) == 1 else 'them'}.")
+        return built
 
 
 _entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
+INTERFACES = {"algo": "Objective", "selector": "Selector", "pruner": "Pruner", "allocator": "Allocator",
+              "task": "Task", "backend": "Backend", "tracker": "Tracker"}  # the Protocol classes of gpo/types.py
+
+
+def missing_members(kind: str, component: Any) -> list[str]:
+    """The methods and attributes of the kind's interface that `component` does not have."""
+    from gpo import types
+
+    protocol = getattr(types, INTERFACES[kind])
+    wanted = [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    wanted += [n for n in getattr(protocol, "__annotations__", {}) if not n.startswith("_")]
+    return [f"`{n}" + ("()`" if callable(getattr(protocol, n, None)) else "`") for n in wanted
+            if not hasattr(component, n)]
 
 
 def register(kind: str, name: str, config: type) -> Callable[[type[Any]], type[Any]]:

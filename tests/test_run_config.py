@@ -112,3 +112,14 @@ def test_a_shipped_yaml_sets_only_values_that_differ_from_the_defaults(path: Pat
     defaults = as_dict(schema() if schema else registry.get(kind, body.get("name", path.stem)).config())
     repeated = [key for key, value in body.items() if key != "name" and defaults.get(key) == value]
     assert not repeated, f"{path.name} repeats the defaults of {', '.join(repeated)}: they are defined in the class"
+
+
+def test_a_nested_section_given_in_part_keeps_its_other_defaults():
+    cfg = compose(["tracker=none", "task=gsm8k", "task.train.path=other/gsm8k"])
+    assert (cfg.task.train.path, cfg.task.train.name) == ("other/gsm8k", "main")  # name: the class's default
+
+
+def test_a_bad_choice_inside_a_list_names_its_position_and_the_choices():
+    with pytest.raises(UserError) as err:
+        compose(["tracker=none", "task.operators=[+,/]"])
+    assert str(err.value) == "`task.operators.1` must be one of +, -, *; got `/`."

@@ -126,17 +126,18 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
     shapes = torch.stack(_gather(shape)).cpu()  # [world, 3]
     rows, widths = shapes[:, 0].tolist(), {"prompt": int(shapes[:, 1].max()), "completion": int(shapes[:, 2].max())}
 
-    def gather_field(x: Tensor | None, left: bool, pad: float) -> list[Tensor] | None:
-        if x is None:
-            return None
+    def gather_tensor(x: Tensor, left: bool, pad: float) -> list[Tensor]:
         if x.dtype == torch.bool:  # gloo has no bool all_gather; travel as uint8
-            return [p.bool() for p in gather_field(x.to(torch.uint8), left, pad)]
+            return [p.bool() for p in gather_tensor(x.to(torch.uint8), left, pad)]
         if x.dim() == 2:
             width = widths["prompt" if left else "completion"]
             extra = width - x.shape[1]
             x = torch.nn.functional.pad(x, (extra, 0) if left else (0, extra), value=pad)
         x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, max(rows) - len(x)))  # pad rows at the end
         return [part[:n] for part, n in zip(_gather(x), rows)]
+
+    def gather_field(x: Tensor | None, left: bool, pad: float) -> list[Tensor] | None:
+        return None if x is None else gather_tensor(x, left, pad)
 
     parts: dict[str, list[Tensor] | None] = {}
     for f in dataclasses.fields(RolloutBatch):
@@ -147,13 +148,13 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
             _require_same_presence(value is not None, f.name)
         parts[f.name] = gather_field(value, left=f.name.startswith("prompt"),
                                      pad=pad_token_id if f.name.endswith("_ids") else 0)
-    components = {name: gather_field(batch.reward_components[name], False, 0)
+    components = {name: gather_tensor(batch.reward_components[name], False, 0)
                   for name in sorted(batch.reward_components)}
+    # Any: one rank's fields, the required tensors and the optional log-probs (None where no rank has them).
+    fields: list[dict[str, Any]] = [{name: (None if p is None else p[r]) for name, p in parts.items()}
+                                    for r in range(world_size)]
     per_rank = [
-        RolloutBatch(
-            **{name: (None if p is None else p[r]) for name, p in parts.items()},
-            reward_components={name: c[r] for name, c in components.items()},
-        )
+        RolloutBatch(**fields[r], reward_components={name: c[r] for name, c in components.items()})
         for r in range(world_size)
     ]
     for r, b in enumerate(per_rank):

@@ -39,7 +39,9 @@ class TokenLogprobs(nn.Module):
 
     def __init__(self, model: nn.Module, chunk_size: int = 1024, share_prompt: bool = True) -> None:
         super().__init__()
-        self.model = model
+        # Any: a transformers (or peft) causal LM; as an nn.Module mypy would type its get_decoder() and
+        # get_output_embeddings() as Tensor | Module attributes (torch's __getattr__).
+        self.model: Any = model
         self.chunk_size = chunk_size
         self.share_prompt = share_prompt
 
@@ -104,7 +106,10 @@ class TokenLogprobs(nn.Module):
                 position_ids=position_ids_from_mask(shared_mask), past_key_values=recorded,
                 use_cache=not checkpointing,
             ).last_hidden_state  # [u, Lp, H]
-            prefix = Cache(layers=[PrefixLayer(layer.keys[owner], layer.values[owner]) for layer in recorded.layers])
+            # transformers types Cache.layers as any layer kind with optional keys; these are the RecordingLayers the
+            # prompt pass above filled.
+            prefix = Cache(layers=[PrefixLayer(layer.keys[owner], layer.values[owner])  # type: ignore[union-attr, index]
+                                   for layer in recorded.layers])
             attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [n, Lp + L]
             completion_hidden = decoder(
                 input_ids=completion_ids, attention_mask=attention_mask,
@@ -138,7 +143,7 @@ def batch_logprobs(module: Any, batch: RolloutBatch, micro_batch_size: int, temp
     return out
 
 
-def supports_prompt_sharing(model: nn.Module) -> bool:
+def supports_prompt_sharing(model: Any) -> bool:  # any object: what is not a supported causal LM answers False
     """Whether the shared-prompt pass is exact for this model: transformers' layered cache API is present and every
     layer attends to the whole context (a sliding-window layer would see a different window through a cache)."""
     try:
@@ -190,6 +195,9 @@ def _cache_layers() -> tuple[type, type]:
     class PrefixLayer(DynamicLayer):
         """Completion pass: attends to a fixed prefix and never grows (same reason: replays see the same keys)."""
 
+        keys: Tensor  # set at construction (DynamicLayer's may be None before its first update)
+        values: Tensor
+
         def __init__(self, keys: Tensor, values: Tensor) -> None:
             super().__init__()
             self.lazy_initialization(keys, values)
@@ -210,7 +218,9 @@ def _cache_survives_checkpointing(decoder: nn.Module, checkpointing: bool) -> It
         return
     layers = _checkpointed_layers(decoder)
     for layer in layers:
-        layer._can_checkpoint_with_cache = True  # an instance attribute, shadowing the class's False
+        # An instance attribute, shadowing the class's False (nn.Module.__setattr__ is typed for tensors and modules
+        # only; any other value is stored as a plain attribute).
+        layer._can_checkpoint_with_cache = True  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -33,7 +33,7 @@ class QuestionStream:
     def take_indices(self, n: int) -> list[int]:
         """The next n questions as indices into the pool: a question's identity across epochs, ranks and resumes
         (what history-based selectors key their per-question state on)."""
-        out = []
+        out: list[int] = []
         while len(out) < n:
             if self.position == len(self._order):
                 self.epoch += 1

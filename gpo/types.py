@@ -100,10 +100,7 @@ class RolloutBatch:
             group_ids.append(b.group_ids + offset)
             offset += int(b.group_ids.max().item()) + 1 if len(b) else 0
 
-        def cat(name: str, left: bool = False, pad: float = 0) -> Tensor | None:
-            parts = [getattr(b, name) for b in batches]
-            if any(p is None for p in parts):
-                return None
+        def stack(parts: list[Tensor], left: bool = False, pad: float = 0) -> Tensor:
             if parts[0].dim() == 1:
                 return torch.cat(parts)
             width = max(p.shape[1] for p in parts)
@@ -112,6 +109,13 @@ class RolloutBatch:
                 extra = width - p.shape[1]
                 padded.append(torch.nn.functional.pad(p, (extra, 0) if left else (0, extra), value=pad))
             return torch.cat(padded)
+
+        def cat(name: str, left: bool = False, pad: float = 0) -> Tensor:
+            return stack([getattr(b, name) for b in batches], left, pad)
+
+        def cat_optional(name: str) -> Tensor | None:  # None unless every batch has the field
+            parts = [getattr(b, name) for b in batches]
+            return None if any(p is None for p in parts) else stack(parts)
 
         return RolloutBatch(
             prompt_ids=cat("prompt_ids", left=True, pad=pad_token_id),
@@ -123,9 +127,9 @@ class RolloutBatch:
             advantages=cat("advantages"),
             truncated=cat("truncated"),
             owner_rank=cat("owner_rank"),
-            old_logprobs=cat("old_logprobs"),
-            ref_logprobs=cat("ref_logprobs"),
-            sampler_logprobs=cat("sampler_logprobs"),
+            old_logprobs=cat_optional("old_logprobs"),
+            ref_logprobs=cat_optional("ref_logprobs"),
+            sampler_logprobs=cat_optional("sampler_logprobs"),
             reward_components={
                 k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components
             },

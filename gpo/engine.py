@@ -21,22 +21,29 @@ import torch
 from gpo import checkpoint
 from gpo.build import build
 from gpo.config import to_yaml
-from gpo.distributed import (all_gather_batch, all_reduce_sum, from_rank_zero,
-                             peer_failures_explained, shard, world)
+from gpo.distributed import all_gather_batch, all_reduce_sum, from_rank_zero, peer_failures_explained, shard, world
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
-from gpo.models import export_model
 from gpo.metrics import MetricSums, PhaseTimer, rollout_metrics
-from gpo.parallel import (accumulating, build_accelerator, full_state_dict, gathered, prepare_policy,
-                          prepare_reference)
+from gpo.models import export_model
+from gpo.parallel import accumulating, build_accelerator, full_state_dict, gathered, prepare_policy, prepare_reference
 from gpo.rewards import score as score_completions
 from gpo.rollout import completion_tokens, decode_completions, encode_prompts, generate
-from gpo.rollout_phases import (CONTINUATION_SEED, Call, RoundLedger, joined, ledger, phase_calls, rank_share,
-                                rewards_by_question, whole_groups)
+from gpo.rollout_phases import (
+    CONTINUATION_SEED,
+    Call,
+    RoundLedger,
+    joined,
+    ledger,
+    phase_calls,
+    rank_share,
+    rewards_by_question,
+    whole_groups,
+)
+from gpo.run_config import RunConfig, as_dict
 from gpo.sampler import QuestionStream
 from gpo.step_math import kept_rows, score_groups, step_totals
 from gpo.tracking import flatten
-from gpo.run_config import RunConfig, as_dict
 from gpo.types import RolloutBatch, Sampling, StepTotals
 
 
@@ -51,7 +58,8 @@ class Engine:
         self.rank, self.world_size = world()
         set_seed(cfg.seed)
         self.run_name = from_rank_zero(cfg.run_name or "-".join(  # a default name holds the time: rank 0's for all
-            [cfg.algo.name, cfg.pruner.name, cfg.allocator.name, cfg.task.name, datetime.now().strftime("%Y%m%d-%H%M%S")]
+            [cfg.algo.name, cfg.pruner.name, cfg.allocator.name, cfg.task.name,
+             datetime.now().strftime("%Y%m%d-%H%M%S")]
         ))
         self.run_dir = Path(cfg.output_dir) / self.run_name
 
@@ -64,15 +72,15 @@ class Engine:
             self.accelerator, TokenLogprobs(P.reference, T.logprob_chunk_size, T.share_prompt))
         self.sampling = Sampling(max_new_tokens=T.max_completion_length, temperature=T.temperature, top_p=T.top_p)
 
-        O = self.optim_cfg
+        opt = self.optim_cfg
         optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad],
-            lr=O.lr, betas=tuple(O.betas), eps=O.eps, weight_decay=O.weight_decay, fused=O.fused,
+            lr=opt.lr, betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay, fused=opt.fused,
         )
         self.module, self.optimizer = prepare_policy(
             self.accelerator, TokenLogprobs(self.policy, T.logprob_chunk_size, T.share_prompt), optimizer
         )
-        self.scheduler = _scheduler(self.optimizer, O.schedule, O.warmup_ratio, total=T.steps * T.mu)
+        self.scheduler = _scheduler(self.optimizer, opt.schedule, opt.warmup_ratio, total=T.steps * T.mu)
         self.accelerator.register_for_checkpointing(self.scheduler)
 
         self.questions = QuestionStream(self.task.load("train"), cfg.seed)
@@ -161,7 +169,8 @@ class Engine:
         share = rank_share(len(call.questions), self.rank, self.world_size)
         mine = [examples[i] for i in call.questions[share]]
         with timer("generate"), gathered(self.accelerator, self.policy, needed=self.backend.generates_with_policy):
-            prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine], self.train_cfg.max_prompt_length)
+            prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine],
+                                     self.train_cfg.max_prompt_length)
             # Seeded by the phase-wide index of this rank's first prompt (backends offset the seed per prompt), so
             # the step's samples do not depend on how many ranks share the generation.
             local = generate(
@@ -206,7 +215,8 @@ class Engine:
                     # Each rank's loss is its share of the global step loss; DDP averages gradients over ranks.
                     self.accelerator.backward(loss * self.world_size)
                 sums.add({"loss/total": loss.detach(), **metrics})
-            grad_norms.append(float(self.accelerator.clip_grad_norm_(self.module.parameters(), self.optim_cfg.max_grad_norm)))
+            grad_norms.append(float(self.accelerator.clip_grad_norm_(self.module.parameters(),
+                                                                     self.optim_cfg.max_grad_norm)))
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)

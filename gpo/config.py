@@ -21,14 +21,27 @@ import typing
 from collections.abc import Mapping, Sequence
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gpo import registry
 from gpo.errors import UserError, did_you_mean
-from gpo.run_config import (COMPONENT_KINDS, SECTIONS, CheckpointConfig, Component, EngineConfig, EvalConfig,
-                            ModelConfig, OptimConfig, RunConfig, StudyConfig, TrainConfig, as_dict, as_layer)
+from gpo.run_config import (
+    COMPONENT_KINDS,
+    SECTIONS,
+    CheckpointConfig,
+    Component,
+    EngineConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    StudyConfig,
+    TrainConfig,
+    as_dict,
+    as_layer,
+)
 
 __all__ = ["CheckpointConfig", "EngineConfig", "EvalConfig", "ModelConfig", "OptimConfig", "RunConfig",
            "StudyConfig", "TrainConfig", "as_layer", "choices", "compose", "split_args", "to_yaml", "validate",
@@ -40,7 +53,8 @@ PLAIN_GROUPS = ("model", "engine")
 GROUPS = COMPONENT_GROUPS + PLAIN_GROUPS + ("experiment",)
 AUTO_BACKEND = "auto"  # not a component: compose() replaces it by gpo.backends.pick_auto's choice
 STUDY_KEYS = ("grid", "baseline", "study")  # a study's own top-level keys; gpo.study takes them out before composing
-TOP_LEVEL = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in SECTIONS and f.name not in COMPONENT_KINDS)
+TOP_LEVEL = tuple(f.name for f in dataclasses.fields(RunConfig)
+                  if f.name not in SECTIONS and f.name not in COMPONENT_KINDS)
 
 
 # --- command line ---------------------------------------------------------------------------------------------
@@ -94,13 +108,13 @@ def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
 
     # Plug-ins must be imported before group picks are resolved: they may bring components without YAML files.
     registry.load_builtins()
-    prelim = OmegaConf.merge(base, *stack, override_layer)
+    prelim = cast(DictConfig, OmegaConf.merge(base, *stack, override_layer))  # mappings merge into a mapping
     registry.load_plugins(_as_list(prelim.get("plugins")))
 
     groups = OmegaConf.create({group: _group_node(group, name) for group, name in picked.items()})
     merged = OmegaConf.merge(base, groups, *stack, override_layer)
     try:
-        plain = OmegaConf.to_container(merged, resolve=True)
+        plain = cast(dict[str, Any], OmegaConf.to_container(merged, resolve=True))
     except Exception as exc:  # an interpolation `${...}` that points nowhere
         raise UserError(f"cannot resolve the config: {exc}") from None
     cfg = validate(plain)
@@ -223,7 +237,7 @@ def _check_together(cfg: RunConfig) -> None:
         registry.get("task", str(name))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _adapter(schema: type) -> Any:
     from pydantic import TypeAdapter
 
@@ -325,7 +339,7 @@ def _flatten_hint(hint: Any) -> list[Any]:
     return [hint]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(schema: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(schema, include_extras=True)
@@ -333,7 +347,7 @@ def _hints(schema: type) -> dict[str, Any]:
         return {f.name: f.type for f in dataclasses.fields(schema)}
 
 
-def _numbers_as_text(node: dict[str, Any], schema: type) -> dict[str, Any]:
+def _numbers_as_text(node: Mapping[str, Any], schema: type) -> dict[str, Any]:
     """`run_name=2024` or `eval.split=1` parse as numbers on the command line; a text field takes them as text."""
     out = dict(node)
     for key, value in node.items():
@@ -350,8 +364,7 @@ def _over_defaults(node: dict[str, Any], schema: type) -> dict[str, Any]:
     out = dict(node)
     for f in dataclasses.fields(schema):
         value = node.get(f.name)
-        default = (f.default_factory() if f.default_factory is not dataclasses.MISSING  # type: ignore[misc]
-                   else f.default)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if isinstance(value, Mapping) and dataclasses.is_dataclass(default) and not isinstance(default, type):
             out[f.name] = {**as_dict(default), **_over_defaults(dict(value), type(default))}
     return out

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -144,7 +144,7 @@ class PhaseTimer:
 class MetricSums:
     """Combines the objective's per-micro-batch metric shares: summed, except `_min`/`_max` names."""
 
-    COMBINE = {"sum": lambda a, b: a + b, "min": min, "max": max}
+    COMBINE: ClassVar[dict[str, Callable[[float, float], float]]] = {"sum": lambda a, b: a + b, "min": min, "max": max}
 
     def __init__(self) -> None:
         self.values: dict[str, float] = {}

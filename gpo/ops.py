@@ -387,6 +387,7 @@ class PolicyLoss:
         logp = logp.masked_fill(~m, 0.0)
         old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs.masked_fill(~m, 0.0)
         if self.surrogate is None:
+            assert self.eps_low is not None and self.eps_high is not None  # checked in __post_init__
             surrogate = clipped_surrogate(
                 logp, old, batch.advantages, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip
             )

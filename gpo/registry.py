@@ -62,7 +62,8 @@ class Entry:
         missing = missing_members(self.kind, built)
         if missing:  # a plug-in written against an older interface: say so before it fails mid-run
             raise UserError(f"{self.kind} `{self.name}` ({_qualified(self.cls)}) lacks {', '.join(missing)} of the "
-                            f"{INTERFACES[self.kind]} interface (gpo/types.py); add {'it' if len(missing) == 1 else 'them'}.")
+                            f"{INTERFACES[self.kind]} interface (gpo/types.py); "
+                            f"add {'it' if len(missing) == 1 else 'them'}.")
         return built
 
 

@@ -23,7 +23,8 @@ THIRDS = [
     "train.group_size=4", "train.max_completion_length=8", "optim.lr=1e-2", "optim.warmup_ratio=0",
     "eval.before_and_after=false",
 ]
-SELECTED = ("select/considered", "select/skipped", "select/screened_out", "select/completions", "select/tokens_saved_est")
+SELECTED = ("select/considered", "select/skipped", "select/screened_out", "select/completions",
+            "select/tokens_saved_est")
 
 
 @pytest.mark.slow

@@ -32,7 +32,6 @@ from collections import defaultdict
 import pytest
 import torch
 
-from gpo import ops
 from gpo.metrics import advantage_metrics
 from gpo.types import StepTotals
 from test_algorithms import build

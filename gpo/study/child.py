@@ -7,6 +7,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, cast
 
 
 def child(spec_path: str) -> int:
@@ -22,7 +23,7 @@ def child(spec_path: str) -> int:
 
         from gpo.config import validate
 
-        cfg = validate(OmegaConf.to_container(OmegaConf.create(spec["config"]), resolve=True))
+        cfg = validate(cast(dict[str, Any], OmegaConf.to_container(OmegaConf.create(spec["config"]), resolve=True)))
         ranks = cfg.engine.num_processes > 1
         code = _run(cfg, extra)
         status, error = ("FINISHED", "") if code == 0 else ("FAILED", f"a rank exited with status {code}")

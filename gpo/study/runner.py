@@ -25,15 +25,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpo.config import component
-from gpo.run_config import Component, RunConfig, as_dict
-
 from gpo.errors import UserError
+from gpo.run_config import Component, RunConfig, as_dict
 from gpo.study import store
 from gpo.study.grid import Plan, PlannedRun, plan
 from gpo.study.report import write_outputs
@@ -50,7 +50,7 @@ class Outcome:
     peak_gpu_mb: float | None
 
 
-def study_from_args(args: list[str], config_files: list[str] = (), baseline: str | None = None) -> int:
+def study_from_args(args: list[str], config_files: Sequence[str] = (), baseline: str | None = None) -> int:
     """`gpo study ...`: plan the grid, run it, write the tables and plots. Exit code 0 even if some runs failed."""
     args, config_files, baseline, study_dir = _resumed(list(args), list(config_files), baseline)
     the_plan = plan(args, config_files, baseline)
@@ -182,6 +182,12 @@ def _study_config(run: PlannedRun, the_plan: Plan, study_dir: Path, uri: str, ex
 # --- executing runs -----------------------------------------------------------------------------------------------
 
 
+def _run_dir(study_dir: Path, cfg: RunConfig) -> Path:
+    """A run's folder in the study: the study names every run it plans (`_child_config`)."""
+    assert cfg.run_name is not None
+    return study_dir / cfg.run_name
+
+
 def _execute(runs: list[PlannedRun], configs: dict[int, RunConfig], options: Any, study_dir: Path):
     """Yield (run, outcome, log path) as runs finish: in order when parallel=1, else as they complete."""
     if options.launcher == "ray":
@@ -195,13 +201,13 @@ def _execute(runs: list[PlannedRun], configs: dict[int, RunConfig], options: Any
     if options.parallel == 1:
         for run in runs:
             with devices.take(need[run.index]) as visible:
-                outcome, log = run_child(configs[run.index], study_dir / configs[run.index].run_name, visible)
+                outcome, log = run_child(configs[run.index], _run_dir(study_dir, configs[run.index]), visible)
             yield run, outcome, log
         return
 
     def one(run: PlannedRun) -> tuple[PlannedRun, Outcome, Path]:
         with devices.take(need[run.index]) as visible:
-            return (run, *run_child(configs[run.index], study_dir / configs[run.index].run_name, visible))
+            return (run, *run_child(configs[run.index], _run_dir(study_dir, configs[run.index]), visible))
 
     with ThreadPoolExecutor(max_workers=options.parallel) as pool:  # threads only wait on the run processes
         pending: set[Future] = {pool.submit(one, run) for run in runs}

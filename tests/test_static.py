@@ -57,8 +57,12 @@ def test_typecheck_links_the_installed_layout(tmp_path, monkeypatch):
     monkeypatch.setattr(typecheck, "TREE", tmp_path / "tree")
     dirs = typecheck.package_dirs()
     typecheck.link_tree(dirs)
-    typecheck.link_tree(dirs)  # a second run replaces the links of the first
     package = tmp_path / "tree" / "gpo"
+    (package / "gone.py").symlink_to(tmp_path / "gone.py")  # a module deleted from gpo/ since the last run
+    (package / "engine.py").unlink()
+    (package / "engine.py").symlink_to(tmp_path / "elsewhere.py")  # a link that points somewhere else
+    typecheck.link_tree(dirs)  # a second run keeps what is right and mends the rest
+    assert not (package / "gone.py").is_symlink()
     assert (package / "engine.py").resolve() == ROOT / "gpo" / "engine.py"
     assert (package / "selectors").resolve() == ROOT / "selection"
     assert (package / "algorithms" / "grpo.py").is_file()

@@ -2,12 +2,13 @@
 
 The component folders install under `gpo.` through setuptools' package-dir mapping (algorithms/ is gpo.algorithms,
 selection/ is gpo.selectors, ...), which mypy cannot follow. This links that layout under .mypy_cache/tree (mypy_path
-in pyproject.toml), rebuilt on every run so new files are seen, runs mypy, and rewrites the paths it reports back to
-the files in the repository.
+in pyproject.toml), brought up to date on every run so new files are seen, runs mypy, and rewrites the paths it
+reports back to the files in the repository.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,18 +29,21 @@ def package_dirs() -> dict[str, str]:
 
 
 def link_tree(dirs: dict[str, str]) -> None:
-    """TREE/gpo holds a link to each entry of gpo/ and one per mapped component folder."""
+    """TREE/gpo holds a link to each entry of gpo/ and one per mapped component folder. Only what changed is
+    touched, so two checks running at once (or a check beside an editor's mypy) do not pull links from each other."""
     package = TREE / "gpo"
-    if package.exists():
-        for entry in package.iterdir():
-            entry.unlink()
     package.mkdir(parents=True, exist_ok=True)
-    for entry in (ROOT / "gpo").iterdir():
-        if entry.name != "__pycache__":
-            (package / entry.name).symlink_to(entry)
-    for installed, folder in dirs.items():
-        if installed != "gpo":
-            (TREE / installed).symlink_to(ROOT / folder, target_is_directory=True)
+    wanted = {entry.name: entry for entry in (ROOT / "gpo").iterdir() if entry.name != "__pycache__"}
+    wanted |= {installed.removeprefix("gpo/"): ROOT / folder
+               for installed, folder in dirs.items() if installed != "gpo"}
+    for entry in package.iterdir():
+        if entry.name not in wanted or not entry.is_symlink() or Path(os.readlink(entry)) != wanted[entry.name]:
+            entry.unlink(missing_ok=True)
+    for name, target in wanted.items():
+        try:
+            (package / name).symlink_to(target)
+        except FileExistsError:  # already linked (by this tree's last run, or a check running beside this one)
+            pass
 
 
 def real_path(line: str, dirs: dict[str, str]) -> str:

@@ -32,8 +32,8 @@ def checks(model: str, workdir: Path) -> dict:
     ]))
     tok, policy, backend = engine.tokenizer, engine.policy, engine.backend
     system = {"role": "system", "content": "Answer briefly."}
-    prompts = encode_prompts(tok, [[system, {"role": "user", "content": q}] for q in ("What is 2+3?", "Name a colour.")],
-                             64)
+    questions = ("What is 2+3?", "Name a colour.")
+    prompts = encode_prompts(tok, [[system, {"role": "user", "content": q}] for q in questions], 64)
     greedy = Sampling(max_new_tokens=8, greedy=True)
     result: dict = {"greedy_hf": HFBackend(HFConfig(), policy, tok).generate(prompts, 1, greedy, seed=0),
                     "greedy_vllm": backend.generate(prompts, 1, greedy, seed=0)}

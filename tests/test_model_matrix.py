@@ -23,7 +23,7 @@ from gpo.config import compose
 
 PLUGINS = Path(__file__).parent / "plugins"
 sys.path.insert(0, str(PLUGINS))
-from gpo_matrix import SYSTEM, scripted_completion  # noqa: E402
+from gpo_matrix import scripted_completion  # noqa: E402
 
 ARCHS = model_zoo.ARCHITECTURES
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

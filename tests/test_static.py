@@ -14,6 +14,7 @@ MAX_LINES = 600
 
 def _typecheck_module():
     spec = importlib.util.spec_from_file_location("typecheck", ROOT / "tools" / "typecheck.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

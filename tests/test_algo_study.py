@@ -37,7 +37,7 @@ def test_the_grid_names_every_registered_objective():
 def test_every_objective_trains_with_pruning_in_one_study(tiny_model_path, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
-    from gpo.study.store import read_run
+    from gpo.tracking_store import read_run
 
     args = [
         f"model={tiny_model_path}", f"output_dir={tmp_path}", "task=toy", "plugins=[gpo_toy]", "tracker=mlflow",

@@ -270,8 +270,8 @@ def test_arith_trains_on_a_fixed_pool_of_train_size_questions():
 
 
 def test_study_table_sums_selection_over_steps():
-    from gpo.study.store import RunRecord
     from gpo.study.tables import _selection_columns
+    from gpo.tracking_store import RunRecord
 
     def steps(*values):
         return [(i + 1, float(v)) for i, v in enumerate(values)]

@@ -20,7 +20,8 @@ tables, plots, report (writing the outputs), ray_launcher (study.launcher=ray).
 from gpo.study.grid import Plan, PlannedRun, plan, split_values
 from gpo.study.report import report, write_outputs
 from gpo.study.runner import study_from_args
-from gpo.study.store import (
+from gpo.study.tables import table
+from gpo.tracking_store import (
     TAG_BASELINE,
     TAG_COMBINATION,
     TAG_ERROR,
@@ -30,7 +31,6 @@ from gpo.study.store import (
     TAG_ROLE,
     RunRecord,
 )
-from gpo.study.tables import table
 
 __all__ = ["Plan", "PlannedRun", "RunRecord", "TAG_BASELINE", "TAG_COMBINATION", "TAG_ERROR", "TAG_GROUP",
            "TAG_INDEX", "TAG_PARENT", "TAG_ROLE", "plan", "report", "split_values", "study_from_args", "table",

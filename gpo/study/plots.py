@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpo.study.stats import Interval
-from gpo.study.store import RunRecord
+from gpo.tracking_store import RunRecord
 
 PLOTS = ("reward_vs_time.png", "accuracy_vs_speedup.png")
 RATE_PLOT = "rates.png"

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpo.study import plots, store, tables
-from gpo.study.store import RunRecord
+from gpo import tracking_store as store
+from gpo.study import plots, tables
+from gpo.tracking_store import RunRecord
 
 
 def write_outputs(records: Sequence[RunRecord], out_dir: Path, title: str, notes: Sequence[str] = ()) -> list[Path]:

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpo import tracking_store as store
 from gpo.config import component
 from gpo.errors import UserError
 from gpo.run_config import Component, RunConfig, as_dict
-from gpo.study import store
 from gpo.study.grid import Plan, PlannedRun, plan
 from gpo.study.report import write_outputs
-from gpo.study.store import TAG_BASELINE, TAG_COMBINATION, TAG_GROUP, TAG_INDEX, TAG_PARENT, TAG_ROLE
+from gpo.tracking_store import TAG_BASELINE, TAG_COMBINATION, TAG_GROUP, TAG_INDEX, TAG_PARENT, TAG_ROLE
 
 ARGS_FILE = "study-args.json"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from gpo.study.stats import Interval, difference_interval, mean_interval, paired, speedup_interval, t_quantile, verdict
-from gpo.study.store import PEAK_GPU, PEAK_RSS, RunRecord
+from gpo.tracking_store import PEAK_GPU, PEAK_RSS, RunRecord
 
 RUN_COLUMNS = ["run", "combination", "group", "seed", "baseline", "status", "error", "acc_before", "acc_after",
                "final_reward", "train_s", "speedup", "kept_frac", "tokens_generated", "tokens_trained",

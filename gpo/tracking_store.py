@@ -1,4 +1,5 @@
-"""The study's MLflow side: the tags that tie its runs together, and reading runs back as `RunRecord`s.
+"""Reading runs back from MLflow, beside gpo.tracking which writes them: the tags that tie a study's runs together
+and each run as a `RunRecord` (params, step metrics, summary), for `gpo study` and `gpo report`.
 
 Every table and plot is built from what MLflow holds (never from the study's memory), so `gpo report` on the same
 runs reproduces a study's outputs exactly.

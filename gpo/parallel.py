@@ -41,9 +41,6 @@ from torch import nn
 from gpo.config import EngineConfig, OptimConfig, TrainConfig
 from gpo.errors import UserError
 
-STAGES = (0, 2, 3)
-PRECISIONS = ("no", "bf16", "fp16")
-
 
 def deepspeed_config(engine: EngineConfig, train: TrainConfig, optim: OptimConfig, world_size: int) -> dict:
     """The DeepSpeed config for engine.deepspeed_stage. DeepSpeed insists on consistent batch sizes although the
@@ -97,17 +94,7 @@ def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConf
 
     defer_deepspeed_import()
 
-    if engine.deepspeed_stage not in STAGES:
-        raise UserError(f"engine.deepspeed_stage must be one of {', '.join(map(str, STAGES))}, "
-                        f"got {engine.deepspeed_stage}.")
-    if engine.mixed_precision not in PRECISIONS:
-        raise UserError(f"engine.mixed_precision must be one of {', '.join(PRECISIONS)}, "
-                        f"got `{engine.mixed_precision}`.")
-    cpu = not torch.cuda.is_available()
-    if engine.offload and engine.deepspeed_stage == 0:
-        raise UserError("engine.offload needs DeepSpeed: set engine.deepspeed_stage=2 or 3 (engine=zero2 / zero3).")
-    if engine.collective_timeout_s <= 0:
-        raise UserError(f"engine.collective_timeout_s must be > 0 seconds, got {engine.collective_timeout_s}.")
+    cpu = not torch.cuda.is_available()  # stage, precision and offload are checked when composing (EngineConfig)
     # A peer that hangs fails the others' next collective after this long instead of torch's 30 minutes.
     timeout = datetime.timedelta(seconds=engine.collective_timeout_s)
     timeouts = [InitProcessGroupKwargs(timeout=timeout)]

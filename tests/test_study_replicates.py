@@ -78,7 +78,7 @@ def test_seeds_are_the_replicate_axis():
 
 @pytest.mark.parametrize("args,message", [
     (["seed=1,2", "study.seeds=2"], "either `seed=1,2,3` or `study.seeds=3`"),
-    (["study.seeds=0"], "study.seeds must be >= 1"),
+    (["study.seeds=0"], "`study.seeds` must be >= 1"),
     (["study.seedz=2"], "unknown key `study.seedz`.*Did you mean `study.seeds`"),
     (["study.parallel=two"], "`study.parallel` has the wrong type"),
 ])

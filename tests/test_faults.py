@@ -192,11 +192,10 @@ def test_a_failed_collective_becomes_one_message_and_other_errors_pass_through(m
 
 
 def test_collective_timeout_must_be_positive():
-    from gpo.config import EngineConfig, OptimConfig, TrainConfig
-    from gpo.parallel import build_accelerator
+    from gpo.config import compose
 
-    with pytest.raises(UserError, match="engine.collective_timeout_s must be > 0"):
-        build_accelerator(EngineConfig(collective_timeout_s=0), TrainConfig(), OptimConfig())
+    with pytest.raises(UserError, match="`engine.collective_timeout_s` must be > 0"):
+        compose(["tracker=none", "engine.collective_timeout_s=0"])
 
 
 def _name_worker(rank, port, out_dir):

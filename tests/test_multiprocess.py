@@ -110,8 +110,10 @@ def test_launch_only_from_outside_a_launcher(monkeypatch):
     assert not launch.needs_launch(EngineConfig(num_processes=1))
     monkeypatch.setenv("WORLD_SIZE", "2")  # inside a rank: train, never launch again
     assert not launch.needs_launch(EngineConfig(num_processes=2))
-    with pytest.raises(UserError, match="engine.num_processes must be >= 1"):
-        launch.needs_launch(EngineConfig(num_processes=0))
+    from gpo.config import compose
+
+    with pytest.raises(UserError, match="`engine.num_processes` must be >= 1"):  # checked when composing
+        compose(["tracker=none", "engine.num_processes=0"])
 
 
 def test_more_processes_than_gpus_is_a_user_error(monkeypatch):

@@ -65,6 +65,8 @@ def test_the_run_config_and_every_config_in_it_are_frozen():
         cfg.train.steps = 1  # type: ignore[misc]
     for kind in registry.KINDS:
         for entry in registry.entries(kind):
+            if not entry.cls.__module__.startswith("gpo."):
+                continue  # a test plug-in registered earlier in this process: plug-ins may keep mutable configs
             assert entry.config.__dataclass_params__.frozen, f"{kind} `{entry.name}`: config class is not frozen"
     for name, section in SECTIONS.items():
         assert section.__dataclass_params__.frozen, name

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from harness import add_common, engine, spread, table, write_section
+from harness import add_common, engine, freeze_weights, spread, table, write_section
 
 
 def main() -> None:
@@ -37,7 +37,8 @@ def main() -> None:
     from gpo.rollout import encode_prompts
     from gpo.types import Sampling
 
-    eng = engine(f"model.path={args.model}", "task=arith", "optim.lr=0", *args.set)
+    eng = engine(f"model.path={args.model}", "task=arith", *args.set)
+    freeze_weights(eng)
     backends = {"hf-generate": HFBackend(HFConfig(decode="generate"), eng.policy, eng.tokenizer),
                 "hf-gpo": HFBackend(HFConfig(decode="gpo"), eng.policy, eng.tokenizer)}
     if args.vllm:

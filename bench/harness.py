@@ -37,6 +37,15 @@ def engine(*overrides: str):
     return Engine(compose(["tracker=none", f"output_dir={out}", "eval.before_and_after=false", *overrides]))
 
 
+def freeze_weights(eng) -> None:
+    """Learning rate 0 on a built engine: every step still does all its work (gradients, an AdamW update) but the
+    weights stay put. A run config refuses optim.lr=0 (a user's run would train nothing), so benchmarks set it
+    here, on the optimizer and the schedule's base rates (the schedule multiplies those each step)."""
+    eng.scheduler.base_lrs = [0.0 for _ in eng.scheduler.base_lrs]
+    for group in eng.optimizer.param_groups:
+        group["lr"] = 0.0
+
+
 def add_common(parser) -> None:
     """Options every benchmark takes: config overrides for each engine it builds, e.g. `--set model.dtype=bfloat16`
     (bench/gpu_check.sh runs the benchmarks on a random-weight model that way), and --no-write."""

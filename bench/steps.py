@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from harness import add_common, engine, spread, table, write_section
+from harness import add_common, engine, freeze_weights, spread, table, write_section
 
 
 def main() -> None:
@@ -32,14 +32,16 @@ def main() -> None:
     add_common(p)
     args = p.parse_args()
 
-    # One engine serves every arm, so all arms generate with the very same weights in memory. optim.lr=0: every
-    # step still does all its work (gradients, an AdamW update) but the weights stay put, and before each arm's
-    # step the question stream and step counter are rewound, so every arm draws the same questions with the same
-    # seeds and grpo and cppo-static generate identical tokens (trained arms drift apart after one step).
+    # One engine serves every arm, so all arms generate with the very same weights in memory. Learning rate 0
+    # (harness.freeze_weights): every step still does all its work (gradients, an AdamW update) but the weights stay
+    # put, and before each arm's step the question stream and step counter are rewound, so every arm draws the same
+    # questions with the same seeds and grpo and cppo-static generate identical tokens (trained arms drift apart
+    # after one step).
     common = [f"model.path={args.model}", "task=arith", "algo=grpo", f"train.questions_per_step={args.questions}",
               f"train.group_size={args.group}", f"train.max_completion_length={args.max_new}", "train.steps=1000",
-              "optim.lr=0", "pruner=none", "allocator=static", *args.set]
+              "pruner=none", "allocator=static", *args.set]
     eng = engine(*common)
+    freeze_weights(eng)
     topk = {"rate": args.rate}
     arms = {
         "grpo": (_part("pruner", "none", {}), _part("allocator", "static", {})),
@@ -108,11 +110,11 @@ def main() -> None:
     print(body)
     note = (f"\n\nSizes: {args.model}, {eng.cfg.task.name}, B={args.questions}, G={args.group}, "
             f"at most {args.max_new} new tokens, "
-            f"P={args.rate}, beta 0.04 (reference pass on), mu 1, optim.lr=0 (see below). One engine, one warm-up "
+            f"P={args.rate}, beta 0.04 (reference pass on), mu 1, learning rate 0 (see below). One engine, one warm-up "
             f"step per arm, then {args.repeats} repeats, each running the arms on the same questions, in an order "
             "that rotates from repeat to repeat; cells are median (min-max). Generation share s (generate + reward, of "
             f"the GRPO step) = {spread(share)}; bound = 1 / (s + (1-s)(1-P)) per repeat. "
-            "One engine serves all arms (each swaps in its pruner and allocator) with optim.lr=0: "
+            "One engine serves all arms (each swaps in its pruner and allocator) with lr 0 (harness.freeze_weights): "
             "every step does all its work (gradients and an AdamW "
             "step) but the weights stay put, and each arm's step replays the same questions and seeds, so grpo "
             "and cppo-static generate identical completions (equal `tokens generated`) with the same weights in "

@@ -202,15 +202,16 @@ def layer_yaml(cfg: RunConfig) -> str:
 # --- validation helpers -------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _TopLevel:
-    """RunConfig's own scalar fields, validated like a section."""
+def _top_level_schema() -> type:
+    """RunConfig's own scalar fields (seed, plugins, ...) as a dataclass, validated like a section; their types and
+    defaults are read from RunConfig, so they are defined there only."""
+    hints = typing.get_type_hints(RunConfig, include_extras=True)
+    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default))
+              for f in dataclasses.fields(RunConfig) if f.name in TOP_LEVEL]
+    return dataclasses.make_dataclass("RunConfigTopLevel", fields, frozen=True)
 
-    seed: int = 42
-    plugins: tuple[str, ...] = ()
-    output_dir: str = "runs"
-    run_name: str | None = None
-    resume: str | None = None
+
+_TopLevel = _top_level_schema()
 
 
 def _component(kind: str, node: Any) -> Component:
@@ -364,7 +365,7 @@ def _over_defaults(node: dict[str, Any], schema: type) -> dict[str, Any]:
     out = dict(node)
     for f in dataclasses.fields(schema):
         value = node.get(f.name)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = registry.field_default(f)
         if isinstance(value, Mapping) and dataclasses.is_dataclass(default) and not isinstance(default, type):
             out[f.name] = {**as_dict(default), **_over_defaults(dict(value), type(default))}
     return out
@@ -393,11 +394,8 @@ def _not_a_section(full: str, value: Any, schema: type) -> str:
 
 
 def _dataclass_of(f: dataclasses.Field) -> type | None:
-    if f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-        if dataclasses.is_dataclass(value):
-            return type(value)
-    return None
+    default = registry.field_default(f)
+    return type(default) if dataclasses.is_dataclass(default) and not isinstance(default, type) else None
 
 
 def _as_node(layer: Mapping[str, Any], what: str) -> DictConfig:

@@ -47,7 +47,7 @@ class Entry:
         return doc.splitlines()[0] if doc else ""
 
     def defaults(self) -> dict[str, Any]:
-        return {f.name: _field_default(f) for f in dataclasses.fields(self.config)}
+        return {f.name: field_default(f) for f in dataclasses.fields(self.config)}
 
     def build(self, cfg: Any = None, **context: Any) -> Any:
         """Instantiate the component with `cfg` (a config dataclass, a mapping, or None for defaults). A mapping is
@@ -156,7 +156,8 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _field_default(field: dataclasses.Field) -> Any:
+def field_default(field: dataclasses.Field) -> Any:
+    """A dataclass field's default value (a fresh one from its factory), or "???" when it has none."""
     if field.default is not dataclasses.MISSING:
         return field.default
     if field.default_factory is not dataclasses.MISSING:

@@ -125,3 +125,9 @@ def test_a_bad_choice_inside_a_list_names_its_position_and_the_choices():
     with pytest.raises(UserError) as err:
         compose(["tracker=none", "task.operators=[+,/]"])
     assert str(err.value) == "`task.operators.1` must be one of +, -, *; got `/`."
+
+
+def test_a_typo_inside_a_nested_section_with_a_plain_default_is_refused():
+    # task.train's default is a DataSource instance (not a factory): its keys are checked like any section's.
+    with pytest.raises(UserError, match=r"unknown key `task.train.pathh`. Did you mean `task.train.path`\?"):
+        compose(["tracker=none", "task=gsm8k", "task.train.pathh=x"])

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gpo.errors import UserError
-from gpo.pruners.ranking import top_up
 from gpo.types import RolloutBatch
 
 
@@ -160,13 +159,6 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
     for r, b in enumerate(per_rank):
         b.owner_rank = torch.full((len(b),), r, dtype=torch.long, device=device)  # [N_r]
     return RolloutBatch.concat(per_rank, pad_token_id=pad_token_id)
-
-
-def keep_divisible(score: Tensor, keep: Tensor, world_size: int) -> Tensor:
-    """`keep` topped up by the best-`score` rows it left out to a multiple of the world size
-    (`gpo.pruners.ranking.top_up`). Kept for callers written before pruners topped up by their own score
-    (`Pruner.keep(batch, multiple_of=world_size)`); the engine no longer needs it once it calls that."""
-    return top_up(keep, score, world_size)
 
 
 def shard(kept: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from gpo import distributed, registry
 from gpo.errors import UserError
+from gpo.pruners.ranking import top_up
 from test_pruners import make_batch
 
 registry.load_builtins()
@@ -57,22 +58,22 @@ def test_shard_uneven_is_a_user_error():
         distributed.shard(make_batch([0.0] * 7, group_size=7), 0, 2)
 
 
-def test_keep_divisible_adds_the_best_left_out_rows():
+def test_top_up_adds_the_best_left_out_rows():
     score = full_batch().advantages.abs()
     keep = registry.get("pruner", "threshold").build({"gamma": 0.95}).keep(full_batch())
     assert torch.nonzero(keep).flatten().tolist() == [0, 8, 9, 10, 11]  # |A| = 1.5, 1, 1, 1, 1
     # 5 rows over 2 ranks: one more, the best left out: |A| 0.9 at rows 13 and 14, the tie goes to position 13.
-    assert torch.nonzero(distributed.keep_divisible(score, keep, 2)).flatten().tolist() == [0, 8, 9, 10, 11, 13]
+    assert torch.nonzero(top_up(keep, score, 2)).flatten().tolist() == [0, 8, 9, 10, 11, 13]
     # 5 over 4 ranks: three more (0.9, 0.9, then the first 0.5 at row 1)
-    assert torch.nonzero(distributed.keep_divisible(score, keep, 4)).flatten().tolist() == [0, 1, 8, 9, 10, 11, 13, 14]
-    even = distributed.keep_divisible(score, keep, 2)
-    assert distributed.keep_divisible(score, keep, 1) is keep  # one process, or already even: unchanged
-    assert distributed.keep_divisible(score, even, 2) is even
-    # the threshold pruner tops up itself, by the same |A|: the engine's old call and the new one agree
+    assert torch.nonzero(top_up(keep, score, 4)).flatten().tolist() == [0, 1, 8, 9, 10, 11, 13, 14]
+    even = top_up(keep, score, 2)
+    assert top_up(keep, score, 1) is keep  # one process, or already even: unchanged
+    assert top_up(even, score, 2) is even
+    # the threshold pruner tops up itself, by the same |A|
     threshold = registry.get("pruner", "threshold").build({"gamma": 0.95})
     for world_size in (1, 2, 4):
         assert torch.equal(threshold.keep(full_batch(), multiple_of=world_size),
-                           distributed.keep_divisible(score, keep, world_size))
+                           top_up(keep, score, world_size))
 
 
 def _worker(rank, port, out_dir):

@@ -32,31 +32,22 @@ class Components:
             part.close()
 
 
-def build_parts(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0) -> dict[str, Any]:
-    """The components that need no model: objective, selector, pruner, allocator, task and (rank 0) tracker."""
-    from gpo.tracking import NullTracker
-
-    return {
-        "objective": cfg.algo.build(max_completion_length=cfg.train.max_completion_length),
-        "selector": cfg.selector.build(),
-        "pruner": cfg.pruner.build(),
-        "allocator": cfg.allocator.build(),
-        "task": cfg.task.build(),
-        "tracker": cfg.tracker.build(run_dir=str(run_dir)) if rank == 0 and run_dir is not None else NullTracker(),
-    }
-
-
 def build(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable: bool = True) -> Components:
-    """Every part of a run: components, tokenizer, policy (trainable unless evaluating), reference, backend.
+    """Every part of a run: components, tokenizer, policy (trainable unless evaluating), reference, backend; the
+    tracker only on rank 0 with a run directory (a null one otherwise).
 
     Under ZeRO-3 the accelerator must exist first (models are then loaded partitioned); the engine builds it and
     then calls this."""
     from gpo.models import load_policy, load_tokenizer
+    from gpo.tracking import NullTracker
 
-    parts = build_parts(cfg, run_dir, rank)
+    # Model-free parts first: a setting only a constructor can check fails before any model loads.
+    objective = cfg.algo.build(max_completion_length=cfg.train.max_completion_length)
+    selector, pruner, allocator, task = (cfg.selector.build(), cfg.pruner.build(), cfg.allocator.build(),
+                                         cfg.task.build())
+    tracker = cfg.tracker.build(run_dir=str(run_dir)) if rank == 0 and run_dir is not None else NullTracker()
     tokenizer = load_tokenizer(cfg.model)
     policy = load_policy(cfg.model, trainable=trainable)
-    reference = (load_policy(cfg.model, trainable=False)
-                 if trainable and parts["objective"].needs_ref_logprobs else None)
+    reference = load_policy(cfg.model, trainable=False) if trainable and objective.needs_ref_logprobs else None
     backend = cfg.backend.build(model=policy, tokenizer=tokenizer)
-    return Components(**parts, tokenizer=tokenizer, policy=policy, reference=reference, backend=backend)
+    return Components(objective, selector, pruner, allocator, task, tracker, tokenizer, policy, reference, backend)

@@ -184,6 +184,7 @@ def summarise(records: Sequence[dict], samples: int = 1, ks: Sequence[int] = (),
 def final_tasks(cfg: Any, own_task: Task) -> list[tuple[str, Task]]:
     """eval.tasks as (name, task) pairs: the run's own task name is `own_task` (its settings); any other is built
     from its shipped YAML, with the run task's `data_dir` when both have that field (one local copy of the data)."""
+    from gpo import registry
     from gpo.config import component
 
     out = []
@@ -192,10 +193,8 @@ def final_tasks(cfg: Any, own_task: Task) -> list[tuple[str, Task]]:
             out.append((name, own_task))
             continue
         data_dir = getattr(cfg.task.config, "data_dir", None)
-        other = component("task", name)
-        if data_dir and hasattr(other.config, "data_dir"):
-            other = component("task", name, data_dir=data_dir)
-        out.append((name, other.build()))
+        shares_data = data_dir and "data_dir" in registry.get("task", name).defaults()
+        out.append((name, component("task", name, **({"data_dir": data_dir} if shares_data else {})).build()))
     return out
 
 

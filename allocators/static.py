@@ -37,7 +37,8 @@ class StepLedger:
     """One step's allocation so far: rounds, questions drawn, and how full the slots ended up.
 
     The engine calls `next_round(slots_left, ...)` after every round, including the last, so the allocator sees
-    the final fill itself and no one has to report it separately.
+    the final fill itself and no one has to report it separately. While a round still generates its second phase
+    slots_left is an estimate, and the engine asks again once that round's rows are known.
     """
 
     def __init__(self) -> None:
@@ -75,7 +76,8 @@ class StaticAllocator:
         self.cfg = cfg
         self.step = StepLedger()
 
-    def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int) -> int:
+    def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int,
+                    pass_share: float = 1.0) -> int:
         check_layout(slots, group_size, world_size)
         questions = slots // group_size
         if questions * group_size != slots or questions % world_size:
@@ -86,7 +88,7 @@ class StaticAllocator:
         return self.step.start(slots, questions)
 
     def next_round(self, slots_left: int, rounds_done: int, group_size: int, kept_per_group: float | None,
-                   world_size: int) -> int:
+                   world_size: int, pass_share: float = 1.0) -> int:
         more = rounds_done < self.cfg.max_rounds and slots_left > 0
         return self.step.add(slots_left, whole_ranks(math.ceil(slots_left / group_size), world_size) if more else 0)
 

@@ -32,12 +32,14 @@ from gpo.rollout import completion_tokens, decode_completions, encode_prompts, g
 from gpo.rollout_phases import (
     CONTINUATION_SEED,
     Call,
+    Round,
     RoundLedger,
     joined,
     ledger,
     phase_calls,
     rank_share,
     rewards_by_question,
+    split_call,
     whole_groups,
 )
 from gpo.run_config import RunConfig, as_dict
@@ -94,22 +96,28 @@ class Engine:
         T, timer = self.train_cfg, PhaseTimer()
         self._task_metrics = {}
         slots = T.questions_per_step * T.group_size
-        kept_per_group = self._kept_per_candidate()
+        kept_per_group, share = self.pruner.expected_kept_per_group(T.group_size), self._pass_share()
         # 1 plan: how many questions this round; 8 refills come back here while slots stay empty
-        questions = self.allocator.first_round(slots, T.group_size, kept_per_group, self.world_size)
-        seen, candidates, kept_parts, rounds, spent = [], [], [], 0, RoundLedger()
-        while questions > 0:
-            # 2-5 sample, select, generate (in the selector's phases), reward, filter; 6 advantages per whole group
-            batch, group_keep, round_spent = self._rollout(questions, rounds, timer)
-            seen.append(batch)
+        questions = self.allocator.first_round(slots, T.group_size, kept_per_group, self.world_size, pass_share=share)
+        seen, candidates, kept_parts, spent, drawn = [], [], [], RoundLedger(), 0
+        waiting: Round | None = None  # a round whose screened questions still need the rest of their groups
+        while questions > 0 or waiting is not None:
+            # 2-5 sample, select, generate, reward, filter; 6 advantages per whole group. The new round's first
+            # phase and the waiting round's second phase share the generation call(s).
+            new = self._draw(questions, drawn) if questions > 0 else None
+            drawn += new is not None
+            finished, waiting, round_spent = self._advance(waiting, new, timer)
             spent = spent.add(round_spent)
-            # 7 prune the filter's groups: decided on the whole step's batch, identically on every rank
-            batch, keep = kept_rows(self.pruner, batch, group_keep, T.group_size, multiple_of=self.world_size)
-            candidates.append((batch, keep))
-            kept_parts.append(batch.select(keep))
-            rounds += 1
-            slots_left = slots - sum(len(p) for p in kept_parts)
-            questions = self.allocator.next_round(slots_left, rounds, T.group_size, kept_per_group, self.world_size)
+            for batch, group_keep in finished:
+                seen.append(batch)
+                # 7 prune the filter's groups: decided on the whole step's batch, identically on every rank
+                batch, keep = kept_rows(self.pruner, batch, group_keep, T.group_size, multiple_of=self.world_size)
+                candidates.append((batch, keep))
+                kept_parts.append(batch.select(keep))
+            # A waiting round's rows are counted by the pruner's estimate; the allocator is asked again once known.
+            slots_left = slots - sum(len(p) for p in kept_parts) - self._expected_rows(waiting)
+            questions = self.allocator.next_round(slots_left, drawn, T.group_size, kept_per_group, self.world_size,
+                                                  pass_share=share)
         kept = shard(RolloutBatch.concat(kept_parts, self.tokenizer.pad_token_id), self.rank, self.world_size)
         # 9 old and reference log-probs, only when the objective needs them, only on kept rows
         with timer("logprobs"):
@@ -129,57 +137,83 @@ class Engine:
         }
 
     # ---------------------------------------------------------------------------------------------------------
-    def _rollout(self, n_questions: int, round_index: int,
-                 timer: PhaseTimer) -> tuple[RolloutBatch, torch.Tensor, RoundLedger]:
-        """The round's candidates, generated in the phases the selector asks for; every rank returns the round's
-        whole groups with advantages (screened-out rows are only counted) and what selection did."""
-        G, pad, seed = self.train_cfg.group_size, self.tokenizer.pad_token_id, self._seed(round_index)
-        pool = self.questions.take_indices(n_questions)  # the same questions, in the same order, on every rank
+    def _draw(self, n_questions: int, round_index: int) -> Round:
+        """The round's candidates (the same questions, in the same order, on every rank) and the selector's
+        first-phase counts for them."""
+        pool, seed = self.questions.take_indices(n_questions), self._seed(round_index)
         examples = [self.questions.examples[i] for i in pool]
-        counts = self.selector.first_phase(pool, G, seed=seed)
-        parts = self._phase(examples, counts, seed, timer)
-        screened = [i for i, c in enumerate(counts) if 0 < c < G]
-        continued: list[int] = []
-        if screened:  # a second phase: the rest of the group for the screened questions the selector continues
-            rows, question = joined(parts, pad)
-            so_far = rewards_by_question(rows.rewards, question, len(counts))
-            verdicts = self.selector.continue_after([pool[i] for i in screened], [so_far[i] for i in screened], G)
-            continued = [i for i, go in zip(screened, verdicts, strict=True) if go]
-            more = [G - counts[i] if i in continued else 0 for i in range(len(counts))]
-            parts += self._phase(examples, more, (seed + CONTINUATION_SEED) % (2**31), timer)
-        rows, question = joined(parts, pad)
-        per_question = rewards_by_question(rows.rewards, question, len(counts))  # every row, screening included
-        self.selector.observe(pool, per_question, self.step_index)
-        spent = ledger(counts, len(continued), per_question, int(rows.lengths.sum()), G)
+        return Round(pool, examples, self.selector.first_phase(pool, self.train_cfg.group_size, seed=seed), seed)
+
+    def _advance(self, waiting: Round | None, new: Round | None,
+                 timer: PhaseTimer) -> tuple[list[tuple[RolloutBatch, torch.Tensor]], Round | None, RoundLedger]:
+        """Generate the waiting round's second phase and the new round's first phase together; then the rounds that
+        are complete become whole groups with advantages (screened-out rows are only counted), and a new round
+        with screened questions the selector continues waits for the next call."""
+        G = self.train_cfg.group_size
+        asks = ([] if waiting is None else [(waiting, waiting.more, (waiting.seed + CONTINUATION_SEED) % (2**31))]) + (
+            [] if new is None else [(new, new.counts, new.seed)])
+        calls = phase_calls([(counts, seed) for _, counts, seed in asks], G,
+                            mixed=getattr(self.backend, "per_prompt_counts", False))
+        for call in calls:
+            examples = [asks[a][0].examples[i] for a, i in call.entries]
+            split_call([r for r, _, _ in asks], call, self._generate(examples, call, timer))
+        done = [] if waiting is None else [waiting]
+        spent = RoundLedger(calls=len(calls))
+        if new is not None and self._choose_second_phase(new):
+            waiting = new
+        else:
+            waiting = None
+            done += [] if new is None else [new]
+        finished = []
+        for r in done:
+            batch, group_keep, round_spent = self._finish(r)
+            finished.append((batch, group_keep))
+            spent = spent.add(round_spent)
+        return finished, waiting, spent
+
+    def _choose_second_phase(self, r: Round) -> bool:
+        """Ask the selector which screened questions go on to G; True when any does (the round then waits)."""
+        G, screened = self.train_cfg.group_size, r.screened(self.train_cfg.group_size)
+        if not screened:
+            return False
+        rows, question = joined(r.rows, self.tokenizer.pad_token_id)
+        so_far = rewards_by_question(rows.rewards, question, len(r.counts))
+        verdicts = self.selector.continue_after([r.pool[i] for i in screened], [so_far[i] for i in screened], G)
+        go = {i for i, v in zip(screened, verdicts, strict=True) if v}
+        r.more = [G - c if i in go else 0 for i, c in enumerate(r.counts)]
+        return bool(go)
+
+    def _finish(self, r: Round) -> tuple[RolloutBatch, torch.Tensor, RoundLedger]:
+        """A round whose phases are done: the selector sees every reward, whole groups get advantages."""
+        G = self.train_cfg.group_size
+        rows, question = joined(r.rows, self.tokenizer.pad_token_id)
+        per_question = rewards_by_question(rows.rewards, question, len(r.counts))  # every row, screening included
+        self.selector.observe(r.pool, per_question, self.step_index)
+        spent = ledger(r.counts, r.continued, per_question, int(rows.lengths.sum()), G)
         batch = rows.select(whole_groups(question, G))
         batch.group_ids = torch.arange(len(batch) // G).repeat_interleave(G)  # [N]
         if len(batch) == 0:
             return batch, torch.zeros(0, dtype=torch.bool), spent
         return (*score_groups(self.objective, batch, G), spent)
 
-    def _phase(self, examples: list, counts: list[int], seed: int,
-               timer: PhaseTimer) -> list[tuple[RolloutBatch, torch.Tensor]]:
-        """One phase's generation calls (candidates with equal counts share one): each call's whole batch, scored,
-        with the candidate position of each row ([N_call])."""
-        return [(self._generate(examples, call, seed, timer), torch.tensor(call.questions).repeat_interleave(call.n))
-                for call in phase_calls(counts, self.train_cfg.group_size)]
-
-    def _generate(self, examples: list, call: Call, seed: int, timer: PhaseTimer) -> RolloutBatch:
+    def _generate(self, examples: list, call: Call, timer: PhaseTimer) -> RolloutBatch:
         """This rank generates and scores its share of the call; every rank returns the call's whole batch."""
-        share = rank_share(len(call.questions), self.rank, self.world_size)
-        mine = [examples[i] for i in call.questions[share]]
+        share = rank_share(len(call.entries), self.rank, self.world_size)
+        mine, counts = examples[share], call.counts[share]
         with timer("generate"), gathered(self.accelerator, self.policy, needed=self.backend.generates_with_policy):
             prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine],
                                      self.train_cfg.max_prompt_length)
-            # Seeded by the phase-wide index of this rank's first prompt (backends offset the seed per prompt), so
+            # Seeded by the call-wide index of this rank's first prompt (backends offset the seed per prompt), so
             # the step's samples do not depend on how many ranks share the generation.
             local = generate(
-                self.backend, prompts, call.n, self.sampling, seed=seed + call.offset + share.start,
-                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
+                self.backend, prompts, counts[0] if call.uniform and counts else counts, self.sampling,
+                seed=call.seed + share.start, eos_token_id=self.tokenizer.eos_token_id,
+                pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
             )
         with timer("reward"):
             texts = decode_completions(self.tokenizer, completion_tokens(local))
-            scored = score_completions(self.task, self.cfg.task.name, texts, [e for e in mine for _ in range(call.n)])
+            rows_examples = [e for e, n in zip(mine, counts, strict=True) for _ in range(n)]
+            scored = score_completions(self.task, self.cfg.task.name, texts, rows_examples)
             local.rewards = torch.tensor(scored.total, dtype=torch.float32)  # [N_rank]
             local.reward_components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scored.components.items()}
             for k, v in scored.metrics.items():  # counts such as verify_timeouts, summed over ranks and rounds
@@ -229,12 +263,19 @@ class Engine:
             "train/rows": float(totals.sequences),
         }
 
-    def _kept_per_candidate(self) -> float | None:
-        """Completions the pruner keeps per group, times the share of candidates the selector expects to reach a
-        whole group: the yield per question drawn that the dynamic allocator sizes a step by."""
-        kept = self.pruner.expected_kept_per_group(self.train_cfg.group_size)
+    def _pass_share(self) -> float:
+        """The share of candidates the selector expects to reach a whole group (1 before it has an estimate): the
+        dynamic allocator draws 1/share times the candidates so the survivors fill the step."""
         share = self.selector.expected_pass_fraction()
-        return kept if kept is None or share is None else kept * share
+        return 1.0 if share is None else share
+
+    def _expected_rows(self, waiting: Round | None) -> int:
+        """Rows a round still generating its second phase is expected to add once pruned."""
+        if waiting is None:
+            return 0
+        G = self.train_cfg.group_size
+        kept = self.pruner.expected_kept_per_group(G)
+        return math.ceil(waiting.continued * (G if kept is None else kept))
 
     def _seed(self, round_index: int) -> int:
         """Generation seed: a function of (run seed, step, round) only, so a resumed run samples the same."""

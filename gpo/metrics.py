@@ -111,6 +111,7 @@ def selection_metrics(total: RoundLedger, group_size: int, useful_rows: int) -> 
         if total.generated_questions else 0.0,
         "select/zero_var_after": total.zero_var_groups / total.groups if total.groups else 0.0,
         "tokens/generated": float(total.tokens),
+        "select/generation_calls": float(total.calls),  # a call shared by two rounds' phases counts once
     }
     out["select/useful_rows"] = float(useful_rows)  # summed over steps by the study table
     if useful_rows:  # a step that trained on no row with signal has no such ratio (no inf in the tracker)

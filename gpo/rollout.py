@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gpo.errors import UserError
 from gpo.types import Backend, Messages, RolloutBatch, Sampling
 
 
@@ -93,11 +94,16 @@ def pad(rows: list[list[int]], value: int, left: bool) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
-def generate(backend: Backend, prompts: list[list[int]], n: int, sampling: Sampling, seed: int,
+def generate(backend: Backend, prompts: list[list[int]], n: int | list[int], sampling: Sampling, seed: int,
              eos_token_id: int, pad_token_id: int, rank: int = 0) -> RolloutBatch:
-    """G = n completions per prompt as a batch with zero rewards/advantages (filled in by the engine)."""
+    """n completions per prompt (or n[i] for prompt i, from a backend with `per_prompt_counts`) as a batch with zero
+    rewards/advantages (filled in by the engine); rows are prompt-major."""
+    counts = [n] * len(prompts) if isinstance(n, int) else list(n)
     completions = backend.generate(prompts, n, sampling, seed)  # N lists of token ids, prompt-major
-    repeated = [p for p in prompts for _ in range(n)]
+    if len(completions) != sum(counts):
+        raise UserError(f"backend {type(backend).__name__} returned {len(completions)} completions for the "
+                        f"{sum(counts)} asked ({len(prompts)} prompts); `generate` must return n per prompt.")
+    repeated = [p for p, c in zip(prompts, counts, strict=True) for _ in range(c)]
     prompt_ids, prompt_mask = pad(repeated, pad_token_id, left=True)  # [N, Lp]
     completion_ids, generated = pad(completions, pad_token_id, left=False)  # [N, L]
     lengths = generated.sum(dim=1)
@@ -111,7 +117,7 @@ def generate(backend: Backend, prompts: list[list[int]], n: int, sampling: Sampl
         prompt_mask=prompt_mask,
         completion_ids=completion_ids,
         completion_mask=mask,
-        group_ids=torch.arange(len(prompts)).repeat_interleave(n),  # [N]
+        group_ids=torch.arange(len(prompts)).repeat_interleave(torch.tensor(counts, dtype=torch.long)),  # [N]
         rewards=torch.zeros(N),
         advantages=torch.zeros(N),
         truncated=~has_eos,

@@ -1,14 +1,16 @@
 """Rollouts in phases, as the selector asks: which prompts each generation call takes, how the phases' rows become
-whole groups of G, and what selection saved. Pure functions; the engine runs the calls.
+whole groups of G, and what selection saved. Pure functions and plain records; the engine runs the calls.
 
 A selector gives each candidate question a completion count for the first phase (0 skips it, G is its whole
 group, anything between screens it); a screened question it continues gets the remaining G - n in a second phase.
-Rows carry the candidate's position (`question`, [N]) until they are assembled into contiguous groups.
+The second phase of one round and the first phase of the next are generated in the same calls (one call where the
+backend takes a count per prompt; one per distinct count otherwise). Rows carry the candidate's position
+(`question`, [N]) until they are assembled into contiguous groups.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -23,26 +25,67 @@ TOLERANCE = 1e-6  # equal rewards for the zero-variance shares in the metrics (e
 
 @dataclass(frozen=True)
 class Call:
-    """One generation call: `n` completions for each of `questions` (candidate positions, in generation order);
-    `offset` is the position of its first prompt among the phase's prompts (the seed offset)."""
+    """One generation call: `counts[i]` completions for the prompt of `entries[i]` = (ask, candidate position), in
+    generation order; `seed` is its first prompt's seed (backends offset it by the prompt's place in the call)."""
 
-    questions: list[int]
-    n: int
-    offset: int
+    entries: list[tuple[int, int]]
+    counts: list[int]
+    seed: int
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.counts)) <= 1
 
 
-def phase_calls(counts: list[int], group_size: int) -> list[Call]:
-    """The calls of one phase: candidates with the same count share a call, counts ascending, positions ascending
-    within a call, so a phase where every count is G is exactly one call over all candidates in order."""
-    bad = [c for c in counts if not 0 <= c <= group_size]
+def phase_calls(asks: list[tuple[list[int], int]], group_size: int, mixed: bool = False) -> list[Call]:
+    """The calls for `asks`, each (completion count per candidate, seed): the phases of one or two rounds generated
+    together. With `mixed` (a backend that takes a count per prompt) that is one call over every candidate with a
+    count, ask by ask, positions ascending. Otherwise candidates with equal counts share a call, counts ascending.
+    A lone ask whose counts are all equal is exactly one call over its candidates in order, seeded by its seed."""
+    bad = [c for counts, _ in asks for c in counts if not 0 <= c <= group_size]
     if bad:
         raise UserError(f"selector: completion counts must lie in [0, {group_size}] (G), got {bad[:3]}.")
+    entries = [(a, i, c) for a, (counts, _) in enumerate(asks) for i, c in enumerate(counts) if c > 0]
+    if not entries:
+        return []
+    seed = asks[entries[0][0]][1]
+    groups = [entries] if mixed else [[e for e in entries if e[2] == n] for n in sorted({e[2] for e in entries})]
     calls, offset = [], 0
-    for n in sorted({c for c in counts if c > 0}):
-        questions = [i for i, c in enumerate(counts) if c == n]
-        calls.append(Call(questions, n, offset))
-        offset += len(questions)
+    for group in groups:
+        calls.append(Call([(a, i) for a, i, _ in group], [c for _, _, c in group], seed + offset))
+        offset += len(group)
     return calls
+
+
+@dataclass
+class Round:
+    """One round's candidates on their way through the selector's phases: the first-phase counts, then (once the
+    selector has seen the screening rewards) the second-phase counts, and every row generated for it so far."""
+
+    pool: list[int]  # the candidates' indices in the task's train pool
+    examples: list
+    counts: list[int]  # first phase, per candidate
+    seed: int
+    rows: list[tuple[RolloutBatch, Tensor]] = field(default_factory=list)  # each part's rows, candidate position [N]
+    more: list[int] = field(default_factory=list)  # second phase, per candidate; empty until decided
+
+    def screened(self, group_size: int) -> list[int]:
+        return [i for i, c in enumerate(self.counts) if 0 < c < group_size]
+
+    @property
+    def continued(self) -> int:
+        return sum(1 for m in self.more if m)
+
+
+def split_call(asks: list[Round], call: Call, batch: RolloutBatch) -> None:
+    """Hand a call's rows ([sum(call.counts)], entry-major) to the rounds they were generated for."""
+    counts = torch.tensor(call.counts)
+    ask = torch.tensor([a for a, _ in call.entries]).repeat_interleave(counts)  # [N]
+    question = torch.tensor([i for _, i in call.entries]).repeat_interleave(counts)  # [N]
+    for a, r in enumerate(asks):
+        rows = (ask == a).nonzero(as_tuple=True)[0]
+        if rows.numel():
+            r.rows.append((batch.select(rows), question[rows]))
 
 
 def rank_share(m: int, rank: int, world_size: int) -> slice:
@@ -93,6 +136,7 @@ class RoundLedger:
     zero_var_generated: int = 0  # of those, with equal rewards over all their rows
     groups: int = 0  # whole groups of G
     zero_var_groups: int = 0  # of those, with equal rewards
+    calls: int = 0  # generation calls (a call shared by two rounds' phases is counted once)
 
     def add(self, other: RoundLedger) -> RoundLedger:
         return RoundLedger(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

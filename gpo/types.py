@@ -223,12 +223,17 @@ class Pruner(Protocol):
 class Allocator(Protocol):
     """allocator: how many questions a step draws, and refills when filtering or pruning leaves slots empty."""
 
-    def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int) -> int:
-        """Questions to draw first, for `slots` = B*G training rows."""
+    def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int,
+                    pass_share: float = 1.0) -> int:
+        """Questions to draw first, for `slots` = B*G training rows. `kept_per_group` is the pruner's estimate of
+        rows kept per whole group (None: none), `pass_share` the selector's share of candidates expected to reach
+        a whole group."""
 
     def next_round(self, slots_left: int, rounds_done: int, group_size: int, kept_per_group: float | None,
-                   world_size: int) -> int:
-        """Questions to draw in another round; 0 stops."""
+                   world_size: int, pass_share: float = 1.0) -> int:
+        """Questions to draw in another round; 0 stops. Asked after every round; while a round is still
+        generating its second phase, `slots_left` counts its continued groups by the pruner's estimate, and the
+        engine asks again (same `rounds_done`) once they are known, so an answer of 0 need not be the last call."""
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -293,8 +298,11 @@ class Backend(Protocol):
     # `sync_weights` and needs nothing gathered while it generates.
     generates_with_policy: bool
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
-        """Token ids of n completions per prompt, prompt-major (row i*n + j is prompt i's j-th sample)."""
+    def generate(self, prompts: list[list[int]], n: int | list[int], sampling: Sampling,
+                 seed: int) -> list[list[int]]:
+        """Token ids of n completions per prompt, prompt-major (row i*n + j is prompt i's j-th sample). Only a
+        backend that declares `per_prompt_counts = True` is given a list, n[i] completions for prompt i; the
+        engine then generates a round's second phase and the next round's first phase in one call."""
 
     def sampled_logprobs(self) -> list[list[float]] | None:
         """The generator's log-prob of each token the last `generate` returned (same layout), or None if the backend

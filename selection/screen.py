@@ -11,8 +11,10 @@ Where gpo differs, and why:
   its rollouts stay in that step and the checkpoint needs no buffer of half-used prompts.
 - The paper's rule is on binary pass rates; for graded rewards "not all equal" means a spread above
   `tolerance` (gpo.selectors.variance), the same definition every selector uses.
-- The continuation of one round and the screening of the next are two generation calls here, not one: the
-  backends take one completion count per call.
+- Within a step, the continuation of one round and the screening of the next refill round share one generation
+  call (backends with a count per prompt: hf's own decoder, vllm; others share it only when G - n_screen equals
+  n_screen). The size of that refill is decided before the continuation is generated, from the pruner's estimate
+  of what the continued groups keep. SPEED-RL also overlaps steps; gpo keeps each step's rollouts in that step.
 """
 
 from __future__ import annotations

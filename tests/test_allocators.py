@@ -97,6 +97,32 @@ def test_explicit_rate_replaces_pruner_estimate():
     assert allocator("dynamic", rate=0.5).first_round(16, 16, 4.0, 1) == 2
 
 
+def test_selector_pass_share_scales_the_draw_with_or_without_a_rate():
+    # k = 2 kept per whole group, a quarter of the candidates expected to reach one: ceil(16 / (2 * 0.25)) = 32
+    assert allocator("dynamic").first_round(16, 8, 2.0, 1, pass_share=0.25) == 32
+    # rate 0.75 -> k = 8 - 6 = 2 replaces the pruner's 4; the selector's share still applies (it used to be lost)
+    assert allocator("dynamic", rate=0.75).first_round(16, 8, 4.0, 1, pass_share=0.25) == 32
+    alloc = allocator("dynamic", rate=0.75)
+    alloc.first_round(16, 8, None, 1, pass_share=0.5)
+    assert alloc.next_round(6, 1, 8, None, 1, pass_share=0.5) == 6  # ceil(6 / (2 * 0.5))
+    assert allocator("static").first_round(16, 8, 2.0, 1, pass_share=0.25) == 2  # static draws B regardless
+    with pytest.raises(UserError, match=r"pass share of 0.0"):
+        allocator("dynamic").first_round(16, 8, 2.0, 1, pass_share=0.0)
+
+
+def test_asked_again_after_a_zero_the_dynamic_allocator_refills_from_the_exact_fill():
+    """While a round's second phase is generating, the engine asks with slots_left estimated (here: the estimate
+    says full, so 0); once its rows are known it asks again with the same rounds_done and gets a refill."""
+    alloc = allocator("dynamic")
+    assert alloc.first_round(16, 8, 2.0, 1) == 8
+    assert alloc.next_round(0, 1, 8, 2.0, 1) == 0  # estimated: the waiting round fills the step
+    assert alloc.next_round(4, 1, 8, 2.0, 1) == 2  # exact: 4 rows short -> ceil(4/2)
+    assert alloc.next_round(-2, 2, 8, 2.0, 1) == 0
+    assert alloc.metrics() == {"alloc/rounds": 2.0, "alloc/questions": 10.0, "alloc/slots_filled_frac": 1.0}
+    assert alloc.state_dict() == {"seen_kept": 18, "seen_questions": 10}  # the final fill, folded in once
+    assert alloc.state_dict() == {"seen_kept": 18, "seen_questions": 10}
+
+
 # --- refills -------------------------------------------------------------------------------------------------------
 
 

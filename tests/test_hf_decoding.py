@@ -135,6 +135,31 @@ def test_sampling_is_seeded(tiny):
     assert all(eos not in r[:-1] for r in first)  # a row stops at its first EOS
 
 
+def test_a_count_per_prompt_equals_the_one_count_call_and_chunks_by_rows(tiny):
+    """n as a list: equal counts give exactly the int-n call (same cache expansion, same draws); mixed counts give
+    each prompt its own number of rows, and greedy rows equal the prompt's own greedy output."""
+    from gpo.backends.hf import _chunks
+
+    model, tokenizer = tiny
+    prompts = _prompts(tokenizer)
+    sampling = Sampling(max_new_tokens=8, temperature=1.0)
+    backend = HFBackend(HFConfig(batch_size=64), model, tokenizer)
+    assert backend.per_prompt_counts and not HFBackend(HFConfig(decode="generate")).per_prompt_counts
+    assert backend.generate(prompts, [4, 4, 4], sampling, seed=5) == backend.generate(prompts, 4, sampling, seed=5)
+    mixed = backend.generate(prompts, [1, 3, 2], sampling, seed=5)
+    assert len(mixed) == 6 and mixed == backend.generate(prompts, [1, 3, 2], sampling, seed=5)
+    greedy = Sampling(max_new_tokens=8, greedy=True)
+    alone = backend.generate(prompts, 1, greedy, seed=0)
+    assert backend.generate(prompts, [1, 3, 2], greedy, seed=0) == [alone[0]] + [alone[1]] * 3 + [alone[2]] * 2
+    # calls of at most batch_size rows, whole prompts each; equal counts n: batch_size // n prompts per call
+    assert _chunks([4] * 5, 8) == [(0, 2), (2, 4), (4, 5)]
+    assert _chunks([6, 2, 3, 9, 1], 8) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    small = HFBackend(HFConfig(batch_size=3), model, tokenizer)
+    assert small.generate(prompts, [1, 3, 2], greedy, seed=0) == [alone[0]] + [alone[1]] * 3 + [alone[2]] * 2
+    with pytest.raises(ValueError, match="one completion count per call"):
+        HFBackend(HFConfig(decode="generate"), model, tokenizer).generate(prompts, [1, 2, 3], greedy, seed=0)
+
+
 def test_sampled_tokens_follow_the_policys_own_distribution(tiny):
     """The first sampled token of many samples of one prompt against softmax(logits / T) of the model."""
     model, tokenizer = tiny

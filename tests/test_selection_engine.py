@@ -120,3 +120,57 @@ def test_dapo_dynamic_sampling_finds_zero_variance_groups_after_n_screen_rollout
     assert plain["select/completions"] == 48 and plain["filter/kept_groups_frac"] <= 4 / 12
     assert screened["select/completions"] <= 12 * 2 + 4 * 2
     assert screened["filter/kept_groups_frac"] == 1.0
+
+
+class Calls:
+    """Records the completion count(s) of every backend call (an int, or a list from a per-prompt-count call)."""
+
+    def __init__(self, e: Engine) -> None:
+        self.n: list[int | list[int]] = []
+        original = e.backend.generate
+
+        def recorded(prompts, n, sampling, seed):
+            self.n.append(n if isinstance(n, int) else list(n))
+            return original(prompts, n, sampling, seed)
+
+        e.backend.generate = recorded
+
+
+@pytest.mark.parametrize("per_prompt_counts", [True, False])
+def test_a_rounds_continuation_and_the_next_rounds_screening_share_a_call(per_prompt_counts, tiny_model_path,
+                                                                          tmp_path):
+    """G = 6, 12 slots, screening with 2 and only each round's first candidate continued (test selector). Round 1
+    screens 2 candidates and continues 1, so 6 slots stay empty by the estimate: round 2 (1 candidate) is drawn at
+    once and its screening (2 rows) goes in the same call as round 1's continuation (4 rows). Round 2's
+    continuation fills the step alone. 3 calls, where generating the phases one by one takes 4; a backend with one
+    count per call still shares nothing but equal counts."""
+    e = engine(tiny_model_path, tmp_path, "selector=first_of_round", "train.group_size=6", "pruner=none",
+               "allocator=static", "allocator.max_rounds=4")
+    if not per_prompt_counts:
+        e.backend.cfg = type(e.backend.cfg)(decode="generate")  # transformers' loop: one n per call
+    calls, drawn = Calls(e), Drawn(e)
+    m = e.step()
+    assert [len(r) for r in drawn.rounds] == [2, 1]
+    if per_prompt_counts:
+        assert calls.n == [2, [4, 2], 4]
+    else:
+        assert calls.n == [2, 2, 4, 4]
+    assert m["select/generation_calls"] == len(calls.n)
+    assert m["select/considered"] == 3 and m["select/screened_out"] == 1
+    assert m["select/completions"] == 3 * 2 + 2 * 4
+    assert m["train/rows"] == 12 and m["alloc/slots_filled_frac"] == 1.0 and m["alloc/rounds"] == 2
+
+
+def test_rounds_are_drawn_while_the_waiting_rounds_estimate_leaves_slots_empty(tiny_model_path, tmp_path):
+    """topk keeps 2 of 4 per whole group. While the waiting round's continued groups (counted by that estimate)
+    leave slots empty, the dynamic allocator draws the next round at once, up to max_rounds; the last round's
+    continuation is generated alone and the allocator, asked again with the exact fill, stops at max_rounds."""
+    e = engine(tiny_model_path, tmp_path, "selector=first_of_round", "pruner=topk", "pruner.rate=0.5",
+               "allocator=dynamic", "allocator.max_rounds=3")
+    drawn = Drawn(e)
+    m = e.step()
+    # 8 slots, k = 2: 4 candidates; 1 continued -> 6 short by the estimate -> 3 more; 1 continued -> 4 short -> 2
+    assert [len(r) for r in drawn.rounds] == [4, 3, 2]
+    assert m["alloc/rounds"] == 3 and m["select/considered"] == 9
+    assert m["train/rows"] == 3 * 2  # one continued group per round, 2 rows kept of each
+    assert m["select/generation_calls"] == 4  # screen 1; cont 1 + screen 2; cont 2 + screen 3; cont 3

@@ -11,10 +11,21 @@ from pydantic import TypeAdapter, ValidationError
 from gpo import registry
 from gpo.errors import UserError
 from gpo.metrics import selection_metrics
-from gpo.rollout_phases import RoundLedger, ledger, phase_calls, rank_share, rewards_by_question, whole_groups
+from gpo.rollout_phases import (
+    Call,
+    Round,
+    RoundLedger,
+    ledger,
+    phase_calls,
+    rank_share,
+    rewards_by_question,
+    split_call,
+    whole_groups,
+)
 from gpo.sampler import QuestionStream
 from gpo.selectors.mopps import beta_sample
 from gpo.selectors.variance import no_variance
+from gpo.types import RolloutBatch
 
 registry.load_builtins()
 
@@ -205,13 +216,47 @@ def test_mopps_band_from_a_yaml_list_is_a_pair():
 
 # --- phases --------------------------------------------------------------------------------------------------------
 
+def positions(call):
+    return [i for _, i in call.entries]
+
+
 def test_phase_calls_group_equal_counts_and_skip_zeros():
-    calls = phase_calls([4, 0, 2, 4, 2], group_size=4)
-    assert [(c.questions, c.n, c.offset) for c in calls] == [([2, 4], 2, 0), ([0, 3], 4, 2)]
-    assert [(c.questions, c.n, c.offset) for c in phase_calls([4, 4, 4], 4)] == [([0, 1, 2], 4, 0)]
-    assert phase_calls([0, 0], 4) == []
+    calls = phase_calls([([4, 0, 2, 4, 2], 100)], group_size=4)
+    assert [(positions(c), c.counts, c.seed) for c in calls] == [([2, 4], [2, 2], 100), ([0, 3], [4, 4], 102)]
+    assert [(positions(c), c.counts, c.seed) for c in phase_calls([([4, 4, 4], 7)], 4)] == [([0, 1, 2], [4] * 3, 7)]
+    assert phase_calls([([0, 0], 1)], 4) == []
     with pytest.raises(UserError):
-        phase_calls([5], 4)
+        phase_calls([([5], 1)], 4)
+
+
+def test_two_rounds_phases_share_calls():
+    # G = 8: round A continues candidates 0 and 2 with 6 more (screened with 2), round B screens 3 candidates with 2
+    asks = [([6, 0, 6], 50), ([2, 2, 2], 90)]
+    (mixed,) = phase_calls(asks, 8, mixed=True)  # a backend that takes a count per prompt: one call, A's first
+    assert mixed.entries == [(0, 0), (0, 2), (1, 0), (1, 1), (1, 2)] and mixed.counts == [6, 6, 2, 2, 2]
+    assert mixed.seed == 50 and not mixed.uniform
+    by_count = phase_calls(asks, 8)  # one count per call: equal counts still share, across rounds
+    assert [(c.entries, c.counts, c.seed) for c in by_count] == [
+        ([(1, 0), (1, 1), (1, 2)], [2, 2, 2], 50), ([(0, 0), (0, 2)], [6, 6], 53)]
+    (same,) = phase_calls([([4, 0, 4], 50), ([4, 4], 90)], 8)  # G = 2 * n_screen: one call either way
+    assert same.entries == [(0, 0), (0, 2), (1, 0), (1, 1)] and same.uniform
+
+
+def test_split_call_hands_each_round_its_rows_with_candidate_positions():
+    first, second = (Round(pool=[10, 11, 12], examples=[], counts=[2, 2, 2], seed=0) for _ in range(2))
+    call = Call(entries=[(0, 2), (1, 0), (1, 1)], counts=[3, 1, 2], seed=0)
+    ids = torch.arange(6).unsqueeze(1)  # row r's single token is r
+    batch = RolloutBatch(prompt_ids=ids, prompt_mask=torch.ones_like(ids), completion_ids=ids,
+                         completion_mask=torch.ones_like(ids), group_ids=torch.zeros(6, dtype=torch.long),
+                         rewards=torch.arange(6.0), advantages=torch.zeros(6),
+                         truncated=torch.zeros(6, dtype=torch.bool), owner_rank=torch.zeros(6, dtype=torch.long))
+    split_call([first, second], call, batch)
+    ((rows_a, q_a),) = first.rows
+    ((rows_b, q_b),) = second.rows
+    assert rows_a.rewards.tolist() == [0, 1, 2] and q_a.tolist() == [2, 2, 2]
+    assert rows_b.rewards.tolist() == [3, 4, 5] and q_b.tolist() == [0, 1, 1]
+    first.more = [0, 2, 2]
+    assert first.screened(4) == [0, 1, 2] and first.continued == 2
 
 
 def test_rank_share_splits_contiguously_and_covers_every_prompt():

@@ -325,6 +325,16 @@ def test_greedy_outputs_of_hf_and_vllm_agree(engine_checks):
     hf, vllm = engine_checks["greedy_hf"], engine_checks["greedy_vllm"]
     assert len(hf) == 3 and all(len(row) > 0 for row in hf)
     assert vllm == hf
+    # a completion count per prompt (the engine's shared continuation + screening call)
+    assert engine_checks["greedy_vllm_counts"] == [hf[0]] + [hf[1]] * 3 + [hf[2]] * 2
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_many_seeded_samples_of_long_prompts_generate_on_cpu(engine_checks):
+    r = engine_checks["many_seeded"]
+    assert r["rows"] == 8 * 16
+    assert r["prompt_tokens"] > 16384  # above what one scheduler step takes, so chunking would have split some
 
 
 @needs_vllm

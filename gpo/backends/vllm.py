@@ -111,7 +111,10 @@ class VLLMBackend:
             **cpu_only,
         )
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, seed: int) -> list[list[int]]:
+    per_prompt_counts = True  # one SamplingParams per prompt, each with its own n
+
+    def generate(self, prompts: list[list[int]], n: int | list[int], sampling: Sampling,
+                 seed: int) -> list[list[int]]:
         llm = self.llm  # starts vLLM (or explains how to install it) before anything imports from it
         if not prompts:  # a rank without questions this round (still started above: starting is collective)
             self._logprobs = [] if self.cfg.report_logprobs and not sampling.greedy else None
@@ -122,9 +125,10 @@ class VLLMBackend:
         if self.sleeps:
             llm.wake_up()
         report = self.cfg.report_logprobs and not sampling.greedy
+        counts = [n] * len(prompts) if isinstance(n, int) else list(n)
         params = [
             SamplingParams(
-                n=n,
+                n=counts[i],
                 max_tokens=sampling.max_new_tokens,
                 temperature=0.0 if sampling.greedy else sampling.temperature,
                 top_p=1.0 if sampling.greedy else sampling.top_p,

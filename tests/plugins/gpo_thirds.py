@@ -1,10 +1,14 @@
 """A test-only task whose groups are foreseeable: question i is always right (i % 3 == 0), always wrong
 (i % 3 == 1) or right on completions of even length (i % 3 == 2, mixed groups), so selectors have something to
-screen out and a tiny random model still gives some groups with signal."""
+screen out and a tiny random model still gives some groups with signal. Also a test-only selector whose phases do
+not depend on rewards at all (`first_of_round`), so a test can say exactly which calls a step makes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
 
 from gpo.registry import register
 from gpo.types import Grade, Rewards
@@ -43,3 +47,37 @@ class ThirdsTask:
 
     def close(self) -> None:
         pass  # holds nothing outside Python
+
+
+@dataclass(frozen=True)
+class FirstOfRoundConfig:
+    n_screen: int = 2
+
+
+@register("selector", "first_of_round", config=FirstOfRoundConfig)
+class FirstOfRound:
+    """Screens every candidate with n_screen completions and continues only the first of each round (test-only)."""
+
+    def __init__(self, cfg: FirstOfRoundConfig) -> None:
+        self.cfg = cfg
+
+    def first_phase(self, questions: list[int], group_size: int, seed: int) -> list[int]:
+        return [self.cfg.n_screen] * len(questions)
+
+    def continue_after(self, questions: list[int], rewards: list[Tensor], group_size: int) -> list[bool]:
+        return [i == 0 for i in range(len(questions))]
+
+    def observe(self, questions: list[int], rewards: list[Tensor], step: int) -> None:
+        pass
+
+    def expected_pass_fraction(self) -> float | None:
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

@@ -165,9 +165,11 @@ def test_groups_table_pairs_by_seed_and_says_when_there_is_no_difference(tmp_pat
     assert "By pruning rate" in md
 
 
-def test_the_shipped_rate_study_plans_four_rates_by_three_seeds():
+def test_the_shipped_rate_study_plans_two_allocators_by_four_rates_by_three_seeds():
     p = plan(["experiment=cppo_rates_arith"])
-    assert len(p.runs) == 12 and p.options.seeds == 3
+    assert len(p.runs) == 24 and p.options.seeds == 3
     assert sorted({r.cfg.pruner.rate for r in p.runs}) == [0.0, 0.5, 0.75, 0.875]
-    assert [(r.cfg.pruner.rate, r.seed) for r in p.baseline_runs()] == [(0.0, 42), (0.0, 43), (0.0, 44)]
+    assert sorted({r.cfg.allocator.name for r in p.runs}) == ["dynamic", "static"]
+    assert [(r.cfg.allocator.name, r.cfg.pruner.rate, r.seed) for r in p.baseline_runs()] == [
+        ("static", 0.0, 42), ("static", 0.0, 43), ("static", 0.0, 44)]
     assert all(list(r.cfg.eval.tasks) == ["arith"] for r in p.runs)

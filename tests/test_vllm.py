@@ -340,7 +340,7 @@ def test_a_completion_count_per_prompt_gives_each_prompt_its_own_seeded_samples(
 def test_many_seeded_samples_of_long_prompts_generate_on_cpu(engine_checks):
     r = engine_checks["many_seeded"]
     assert r["rows"] == 8 * 16
-    # 30k prompt tokens: with chunked prefill turned back on, this check raised "CPU Generator does not use
+    # over 16k prompt tokens: with chunked prefill turned back on, this check raised "CPU Generator does not use
     # offset" (tried by hand, 2026-12-02)
     assert r["prompt_tokens"] > 16384
 

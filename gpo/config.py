@@ -80,6 +80,14 @@ def split_args(args: list[str]) -> tuple[dict[str, str], list[str]]:
 # --- composition ----------------------------------------------------------------------------------------------
 
 
+def _completion_length(prelim: DictConfig) -> int:
+    """train.max_completion_length as the layers set it (the default where none does), for backend=auto; a value
+    that is not a positive integer counts as the default here and is refused by validation afterwards."""
+    value = OmegaConf.select(prelim, "train.max_completion_length", default=None)
+    default = TrainConfig.max_completion_length
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
 def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
             layers: Sequence[Mapping[str, Any]] = ()) -> RunConfig:
     """Build and validate the run config from command-line style arguments, files and in-memory layers."""
@@ -95,12 +103,6 @@ def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
     for layer in stack:
         picked.update(layer.pop("defaults", None) or {})
     picked.update(picks)
-    auto_note = None
-    if picked.get("backend") == AUTO_BACKEND:
-        from gpo.backends import pick_auto
-
-        picked["backend"], why = pick_auto()
-        auto_note = f"backend=auto picked `{picked['backend']}`: {why}."
     try:
         override_layer = OmegaConf.from_dotlist(overrides)
     except Exception as exc:
@@ -110,6 +112,12 @@ def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
     registry.load_builtins()
     prelim = cast(DictConfig, OmegaConf.merge(base, *stack, override_layer))  # mappings merge into a mapping
     registry.load_plugins(_as_list(prelim.get("plugins")))
+    auto_note = None
+    if picked.get("backend") == AUTO_BACKEND:
+        from gpo.backends import pick_auto
+
+        picked["backend"], why = pick_auto(_completion_length(prelim))
+        auto_note = f"backend=auto picked `{picked['backend']}`: {why}."
 
     groups = OmegaConf.create({group: _group_node(group, name) for group, name in picked.items()})
     merged = OmegaConf.merge(base, groups, *stack, override_layer)

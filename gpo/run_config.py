@@ -117,6 +117,10 @@ class StudyConfig:
     launcher: Literal["local", "ray"] = "local"  # ray: each run a Ray task with its CPUs/GPUs (pip install gpo[ray])
     cpus_per_run: Positive = 1.0  # ray: CPUs reserved per run
     ray_address: str | None = None  # ray: an existing cluster; None starts a local one
+    # A finished run's training checkpoints (weights plus optimizer state: about 3x the model per run) are deleted
+    # once it is recorded, so a grid does not fill the disk; its final model, log and tracked results stay. true
+    # keeps them, to continue a run later with resume=auto. A failed or killed run keeps its checkpoints.
+    keep_checkpoints: bool = False
 
 
 @dataclass(frozen=True)

@@ -218,12 +218,13 @@ def test_study_runs_the_grid_reports_a_failure_and_report_reproduces_it(tiny_mod
         "eval.max_new_tokens=4",
         # none runs once (rate does not apply to it); topk at 0.5 trains; topk with neither rate nor keep passes the
         # composer (each field is valid alone) and fails in its run, when the pruner is built
-        "pruner=none,topk", "pruner.rate=0.5,null",
+        "pruner=none,topk", "pruner.rate=0.5,null", "study.keep_checkpoints=true",
     ]
     assert cli.main(["study", *args]) == 0
     out = capsys.readouterr().out
     assert "study of 3 runs" in out and "resolves to the same config as" in out
     (study_dir,) = tmp_path.glob("study-*")
+    assert (next(study_dir.glob("01-*")) / "checkpoints").is_dir()  # kept, as asked (deleted by default)
 
     rows = list(csv.DictReader(open(study_dir / "study.csv")))
     assert [(r["run"], r["combination"], r["status"]) for r in rows] == [

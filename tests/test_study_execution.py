@@ -36,6 +36,8 @@ def test_parallel_runs_and_resume_reruns_only_what_did_not_finish(tiny_model_pat
     first = list(csv.DictReader(open(study_dir / "study.csv")))
     assert [r["status"] for r in first] == ["FINISHED", "FAILED"]
     assert "RuntimeError: flaky" in first[1]["error"]
+    finished_dir = next(study_dir.glob("01-*"))
+    assert (finished_dir / "study.log").is_file() and not (finished_dir / "checkpoints").exists()  # deleted
 
     marker.unlink()
     assert cli.main(["study", f"study.resume={study_dir}"]) == 0

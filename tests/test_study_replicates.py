@@ -67,9 +67,10 @@ def test_accuracy_difference_and_the_plain_words():
 
 def test_seeds_are_the_replicate_axis():
     p = plan(["pruner=none,topk", "study.seeds=3", "seed=7", *TOY])
-    assert [(r.group, r.seed) for r in p.runs] == [("pruner=none", 7), ("pruner=none", 8), ("pruner=none", 9),
-                                                   ("pruner=topk", 7), ("pruner=topk", 8), ("pruner=topk", 9)]
-    assert [r.combination for r in p.runs][:2] == ["pruner=none seed=7", "pruner=none seed=8"]
+    # seed by seed, so every combination meets the machine's drift alike
+    assert [(r.group, r.seed) for r in p.runs] == [("pruner=none", 7), ("pruner=topk", 7), ("pruner=none", 8),
+                                                   ("pruner=topk", 8), ("pruner=none", 9), ("pruner=topk", 9)]
+    assert [r.combination for r in p.runs][:2] == ["pruner=none seed=7", "pruner=topk seed=7"]
     assert [r.seed for r in p.baseline_runs()] == [7, 8, 9]
     p = plan(["pruner=none,topk", "seed=1,2", *TOY], baseline="pruner=topk")  # an explicit seed axis
     assert [(r.group, r.seed) for r in p.baseline_runs()] == [("pruner=topk", 1), ("pruner=topk", 2)]
@@ -173,3 +174,11 @@ def test_the_shipped_rate_study_plans_two_allocators_by_four_rates_by_three_seed
     assert [(r.cfg.allocator.name, r.cfg.pruner.rate, r.seed) for r in p.baseline_runs()] == [
         ("static", 0.0, 42), ("static", 0.0, 43), ("static", 0.0, 44)]
     assert all(list(r.cfg.eval.tasks) == ["arith"] for r in p.runs)
+
+
+def test_the_rate_plot_draws_one_line_per_setting_besides_the_rate():
+    from gpo.study.plots import _without_rate
+
+    assert _without_rate("allocator=static pruner.rate=0.5") == "allocator=static"
+    assert _without_rate("algo=dapo pruner.rate=0.75 allocator=dynamic") == "algo=dapo allocator=dynamic"
+    assert _without_rate("pruner.rate=0.5") == "all runs"

@@ -91,18 +91,31 @@ def accuracy_vs_speedup(rows: Sequence[dict[str, Any]], summary: Sequence[dict[s
 
 
 def rates(table: Sequence[dict[str, Any]], accuracy_key: str, path: Path) -> Path:
-    """Accuracy and speed-up against the pruning rate, with 95% CI error bars."""
+    """Accuracy and speed-up against the pruning rate, with 95% CI error bars; one line per setting the grid varies
+    besides the rate (e.g. allocator=static and allocator=dynamic), so points of different settings are not joined."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for row in table:  # rows come sorted by rate
+        series.setdefault(_without_rate(row["group"]), []).append(row)
     fig = _figure(10, 4)
     left, right = fig.subplots(1, 2)
     for ax, key, label in ((left, accuracy_key, accuracy_key), (right, "speedup", "speed-up vs baseline (x)")):
-        points = [(row["rate"], row[key]) for row in table if row[key].centre is not None]
-        for rate, value in points:
-            ax.errorbar(rate, value.centre, yerr=_error(value), fmt="o", capsize=3, color="tab:blue")
-        ax.plot([p for p, _ in points], [v.centre for _, v in points], color="tab:blue", alpha=0.5)
+        for i, (name, rows) in enumerate(series.items()):
+            points = [(row["rate"], row[key]) for row in rows if row[key].centre is not None]
+            for rate, value in points:
+                ax.errorbar(rate, value.centre, yerr=_error(value), fmt="o", capsize=3, color=f"C{i}")
+            ax.plot([p for p, _ in points], [v.centre for _, v in points], color=f"C{i}", alpha=0.5,
+                    label=name if len(series) > 1 else None)
         ax.set_xlabel("pruning rate P")
         ax.set_ylabel(label)
+    if len(series) > 1:
+        left.legend(fontsize=8)
     left.set_title("Accuracy by pruning rate")
     right.set_title("Speed-up by pruning rate")
     right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     fig.savefig(path)
     return path
+
+
+def _without_rate(group: str) -> str:
+    """A group's settings other than the pruning rate: the series a point of the rate plot belongs to."""
+    return " ".join(t for t in group.split() if not t.startswith("pruner.rate=")) or "all runs"

@@ -13,7 +13,9 @@ engine.num_processes devices (CUDA_VISIBLE_DEVICES), and waits while too few are
 
 `study.resume=DIR` continues the study in DIR with the arguments it was started with (saved in
 DIR/study-args.json): finished runs are kept, failed, killed and never-started ones run again (a re-run's old
-directory is kept beside it as NAME.attempt-K).
+directory is kept beside it as NAME.attempt-K). A finished run's training checkpoints are deleted once it is
+recorded (`study.keep_checkpoints=true` keeps them): 1.6 GB per run of the 135M default, and 13 runs of a study
+filled this project's disk with them.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def study_from_args(args: list[str], config_files: Sequence[str] = (), baseline:
             _set_aside(client, experiment_id, parent, r, study_dir / configs[r.index].run_name)
         for run, outcome, log in _execute(todo, configs, options, study_dir):
             run_ids[run.index] = _record(client, experiment_id, parent, run, configs[run.index], outcome)
+            if outcome.status == "FINISHED" and not options.keep_checkpoints:
+                shutil.rmtree(study_dir / configs[run.index].run_name / "checkpoints", ignore_errors=True)
             detail = f": {outcome.error}" if outcome.error else ""
             _say(f"run {run.index}/{len(the_plan.runs)} `{run.combination}` {outcome.status}{detail} (log: {log})")
         status = "FINISHED"

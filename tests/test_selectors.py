@@ -201,13 +201,6 @@ def test_config_types_reject_out_of_range_values(name, fields, field):
     assert err.value.errors()[0]["loc"][0] == field
 
 
-@pytest.mark.parametrize("entry", [e for e in registry.entries("selector") if e.cls.__module__.startswith(
-    "gpo.selectors.")], ids=lambda e: e.name)
-def test_selector_configs_are_frozen_and_their_defaults_validate(entry):
-    assert entry.config.__dataclass_params__.frozen
-    assert TypeAdapter(entry.config).validate_python({}) == entry.config()
-
-
 def test_mopps_band_from_a_yaml_list_is_a_pair():
     cfg = TypeAdapter(registry.get("selector", "mopps").config).validate_python({"band": [0.3, 0.7]})
     assert cfg.band == (0.3, 0.7)

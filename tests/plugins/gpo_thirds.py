@@ -6,11 +6,11 @@ not depend on rewards at all (`first_of_round`), so a test can say exactly which
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor
 
 from gpo.registry import register
+from gpo.selectors.none import NoSelection
 from gpo.types import Grade, Rewards
 
 
@@ -55,29 +55,12 @@ class FirstOfRoundConfig:
 
 
 @register("selector", "first_of_round", config=FirstOfRoundConfig)
-class FirstOfRound:
-    """Screens every candidate with n_screen completions and continues only the first of each round (test-only)."""
-
-    def __init__(self, cfg: FirstOfRoundConfig) -> None:
-        self.cfg = cfg
+class FirstOfRound(NoSelection):
+    """Screens every candidate with n_screen completions and continues only the first of each round (test-only);
+    it keeps no history (the rest is `none`'s)."""
 
     def first_phase(self, questions: list[int], group_size: int, seed: int) -> list[int]:
         return [self.cfg.n_screen] * len(questions)
 
     def continue_after(self, questions: list[int], rewards: list[Tensor], group_size: int) -> list[bool]:
         return [i == 0 for i in range(len(questions))]
-
-    def observe(self, questions: list[int], rewards: list[Tensor], step: int) -> None:
-        pass
-
-    def expected_pass_fraction(self) -> float | None:
-        return None
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass

@@ -206,7 +206,9 @@ class Engine:
             # Seeded by the call-wide index of this rank's first prompt (backends offset the seed per prompt), so
             # the step's samples do not depend on how many ranks share the generation.
             local = generate(
-                self.backend, prompts, counts[0] if call.uniform and counts else counts, self.sampling,
+                # one count for a uniform call, even when this rank's share is empty: only a backend with
+                # per_prompt_counts is ever given a list
+                self.backend, prompts, call.counts[0] if call.uniform else counts, self.sampling,
                 seed=call.seed + share.start, eos_token_id=self.tokenizer.eos_token_id,
                 pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
             )

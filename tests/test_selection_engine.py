@@ -174,3 +174,16 @@ def test_rounds_are_drawn_while_the_waiting_rounds_estimate_leaves_slots_empty(t
     assert m["alloc/rounds"] == 3 and m["select/considered"] == 9
     assert m["train/rows"] == 3 * 2  # one continued group per round, 2 rows kept of each
     assert m["select/generation_calls"] == 4  # screen 1; cont 1 + screen 2; cont 2 + screen 3; cont 3
+
+
+def test_a_rank_with_no_share_of_a_uniform_call_still_passes_one_count(tiny_model_path, tmp_path):
+    """One prompt over two ranks leaves rank 0 nothing to generate: its backend is still asked with the call's
+    single count, never a list (a backend without per_prompt_counts takes an int only)."""
+    from gpo.metrics import PhaseTimer
+    from gpo.rollout_phases import Call
+
+    e = engine(tiny_model_path, tmp_path, "selector=none")
+    e.world_size = 2  # rank 0 of 2: rank_share(1, 0, 2) is empty (the gather is the identity in one process)
+    calls = Calls(e)
+    batch = e._generate([e.questions.examples[0]], Call(entries=[(0, 0)], counts=[4], seed=3), PhaseTimer())
+    assert calls.n == [4] and len(batch) == 0

@@ -115,7 +115,7 @@ class Engine:
                 candidates.append((batch, keep))
                 kept_parts.append(batch.select(keep))
             # A waiting round's rows are counted by the pruner's estimate; the allocator is asked again once known.
-            slots_left = slots - sum(len(p) for p in kept_parts) - self._expected_rows(waiting)
+            slots_left = slots - sum(len(p) for p in kept_parts) - self._expected_rows(waiting, kept_per_group)
             questions = self.allocator.next_round(slots_left, drawn, T.group_size, kept_per_group, self.world_size,
                                                   pass_share=share)
         kept = shard(RolloutBatch.concat(kept_parts, self.tokenizer.pad_token_id), self.rank, self.world_size)
@@ -150,20 +150,21 @@ class Engine:
         are complete become whole groups with advantages (screened-out rows are only counted), and a new round
         with screened questions the selector continues waits for the next call."""
         G = self.train_cfg.group_size
-        asks = ([] if waiting is None else [(waiting, waiting.more, (waiting.seed + CONTINUATION_SEED) % (2**31))]) + (
-            [] if new is None else [(new, new.counts, new.seed)])
+        asks: list[tuple[Round, list[int], int]] = []  # (round, completion count per candidate, seed)
+        if waiting is not None:  # its second phase, seeded apart from its first
+            asks.append((waiting, waiting.more, (waiting.seed + CONTINUATION_SEED) % (2**31)))
+        if new is not None:
+            asks.append((new, new.counts, new.seed))
         calls = phase_calls([(counts, seed) for _, counts, seed in asks], G,
                             mixed=getattr(self.backend, "per_prompt_counts", False))
         for call in calls:
             examples = [asks[a][0].examples[i] for a, i in call.entries]
             split_call([r for r, _, _ in asks], call, self._generate(examples, call, timer))
         done = [] if waiting is None else [waiting]
+        waiting = new if new is not None and self._choose_second_phase(new) else None
+        if new is not None and waiting is None:
+            done.append(new)
         spent = RoundLedger(calls=len(calls))
-        if new is not None and self._choose_second_phase(new):
-            waiting = new
-        else:
-            waiting = None
-            done += [] if new is None else [new]
         finished = []
         for r in done:
             batch, group_keep, round_spent = self._finish(r)
@@ -271,13 +272,13 @@ class Engine:
         share = self.selector.expected_pass_fraction()
         return 1.0 if share is None else share
 
-    def _expected_rows(self, waiting: Round | None) -> int:
-        """Rows a round still generating its second phase is expected to add once pruned."""
+    def _expected_rows(self, waiting: Round | None, kept_per_group: float | None) -> int:
+        """Rows a round still generating its second phase is expected to add once pruned (a whole group per
+        continued question where the pruner has no estimate)."""
         if waiting is None:
             return 0
-        G = self.train_cfg.group_size
-        kept = self.pruner.expected_kept_per_group(G)
-        return math.ceil(waiting.continued * (G if kept is None else kept))
+        kept = self.train_cfg.group_size if kept_per_group is None else kept_per_group
+        return math.ceil(waiting.continued * kept)
 
     def _seed(self, round_index: int) -> int:
         """Generation seed: a function of (run seed, step, round) only, so a resumed run samples the same."""

@@ -94,11 +94,16 @@ def pad(rows: list[list[int]], value: int, left: bool) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
+def counts_per_prompt(n: int | list[int], prompts: int) -> list[int]:
+    """A backend's `n` argument (one count for every prompt, or one per prompt) as one count per prompt."""
+    return [n] * prompts if isinstance(n, int) else list(n)
+
+
 def generate(backend: Backend, prompts: list[list[int]], n: int | list[int], sampling: Sampling, seed: int,
              eos_token_id: int, pad_token_id: int, rank: int = 0) -> RolloutBatch:
     """n completions per prompt (or n[i] for prompt i, from a backend with `per_prompt_counts`) as a batch with zero
     rewards/advantages (filled in by the engine); rows are prompt-major."""
-    counts = [n] * len(prompts) if isinstance(n, int) else list(n)
+    counts = counts_per_prompt(n, len(prompts))
     completions = backend.generate(prompts, n, sampling, seed)  # N lists of token ids, prompt-major
     if len(completions) != sum(counts):
         raise UserError(f"backend {type(backend).__name__} returned {len(completions)} completions for the "

@@ -49,10 +49,10 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int | list[int], sampling: Sampling,
                  seed: int) -> list[list[int]]:
-        from gpo.rollout import pad
+        from gpo.rollout import counts_per_prompt, pad
 
         model, tok = self.model, self.tokenizer
-        counts = [n] * len(prompts) if isinstance(n, int) else list(n)
+        counts = counts_per_prompt(n, len(prompts))
         if not isinstance(n, int) and not self.per_prompt_counts:
             raise ValueError("backend.decode=generate takes one completion count per call")
         was_training = model.training

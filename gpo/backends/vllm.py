@@ -31,6 +31,7 @@ from gpo.errors import UserError
 from gpo.models import plain_weights
 from gpo.parallel import full_parameters
 from gpo.registry import register
+from gpo.rollout import counts_per_prompt
 from gpo.schema import Gt, Le, Positive, PositiveInt
 from gpo.types import Sampling
 
@@ -125,7 +126,7 @@ class VLLMBackend:
         if self.sleeps:
             llm.wake_up()
         report = self.cfg.report_logprobs and not sampling.greedy
-        counts = [n] * len(prompts) if isinstance(n, int) else list(n)
+        counts = counts_per_prompt(n, len(prompts))
         params = [
             SamplingParams(
                 n=counts[i],

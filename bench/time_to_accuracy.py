@@ -19,7 +19,9 @@ printed as missed, with its numbers.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+from pathlib import Path
 
 from harness import add_common, engine, table, write_section
 
@@ -130,12 +132,18 @@ def main() -> None:
     p.add_argument("--eval-at", type=float, nargs="+", default=[0.2, 0.4, 0.6, 0.8, 1.0],
                    help="fractions of the budget")
     p.add_argument("--max-steps", type=int, default=10_000)
+    p.add_argument("--save", type=Path, help="write every finished seed's curves here as JSON, so a long run that "
+                   "dies later keeps what it measured")
     add_common(p)
     args = p.parse_args()
     if "grpo" not in args.arms:
         p.error("--arms must include grpo: every arm is measured against it")
 
-    results = {seed: run_seed(args, seed) for seed in args.seeds}
+    results: dict[int, dict[str, dict]] = {}
+    for seed in args.seeds:
+        results[seed] = run_seed(args, seed)
+        if args.save:
+            args.save.write_text(json.dumps(results, indent=1))
     rows, summary = summarise(results, args.arms)
     body = table(["arm", "time to GRPO's final accuracy / GRPO's time", "final accuracy - GRPO's",
                   "generated tokens per useful row / GRPO's"], rows)

@@ -141,3 +141,74 @@ def test_a_multi_rank_run_of_a_study_goes_through_gpo_run(tiny_model_path, tmp_p
     log = next(study_dir.glob("01-*/study.log")).read_text()
     assert "launching 2 processes" in log and "-m gpo run --config" in log
     assert float(row["peak_rss_mb"]) > 100  # the largest rank's peak, not the launcher's
+
+
+def _fake_child(calls: list[str], fail_with: str = ""):
+    from gpo.study import runner
+
+    def run_child(cfg, run_dir, devices=None, sys_path=None):
+        calls.append(cfg.run_name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if fail_with:
+            return runner.Outcome("FAILED", fail_with, None, None), run_dir / "study.log"
+        return runner.Outcome("FINISHED", "", 100.0, None), run_dir / "study.log"
+
+    return run_child
+
+
+def test_a_run_that_fills_the_disk_stops_the_study_with_a_resume_hint(monkeypatch, tiny_model_path, tmp_path, capsys):
+    """A run that dies of a full disk would make every later run die the same way: the study stops (exit 2, no
+    traceback) and says how to continue."""
+    from gpo.study import runner
+
+    calls: list[str] = []
+    monkeypatch.setattr(runner, "run_child", _fake_child(calls, "OSError: [Errno 28] No space left on device"))
+    assert cli.main(["study", *_args(tiny_model_path, tmp_path, "optim.lr=1e-5,2e-5,3e-5")]) == 2
+    err = capsys.readouterr().err
+    assert len(calls) == 1  # runs 2 and 3 were never started
+    assert "the disk is full" in err and "1 of 3 runs recorded" in err and "Traceback" not in err
+    study_dir = next(tmp_path.glob("study-*"))
+    assert f"gpo study study.resume={study_dir}" in err
+    assert (study_dir / "study.md").is_file()  # the report of what was recorded still went out
+
+
+def test_a_full_disk_under_mlflow_keeps_the_finished_runs_for_resume(monkeypatch, tiny_model_path, tmp_path, capsys):
+    """SQLite's "database or disk is full" arrives wrapped by SQLAlchemy and MLflow, and the report written after
+    it fails too: the user gets the one clear error, and `study.resume` runs only what was not recorded."""
+    import sqlite3
+
+    from mlflow.exceptions import MlflowException
+
+    from gpo.study import runner
+
+    calls: list[str] = []
+    record = runner._record
+
+    def record_until_full(*a, **k):
+        if len(calls) >= 2:
+            try:
+                raise sqlite3.OperationalError("database or disk is full")
+            except sqlite3.OperationalError as exc:
+                raise MlflowException("(sqlite3.OperationalError) database or disk is full") from exc
+        return record(*a, **k)
+
+    def report_on_full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runner, "run_child", _fake_child(calls))
+    monkeypatch.setattr(runner, "_record", record_until_full)
+    monkeypatch.setattr(runner, "write_outputs", report_on_full_disk)
+    assert cli.main(["study", *_args(tiny_model_path, tmp_path, "optim.lr=1e-5,2e-5,3e-5")]) == 2
+    out, err = capsys.readouterr()
+    assert "1 of 3 runs recorded" in err and "Traceback" not in err
+    assert "tables were not written: the disk is full" in out
+
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(runner, "run_child", _fake_child(calls))
+    study_dir = next(tmp_path.glob("study-*"))
+    assert cli.main(["study", f"study.resume={study_dir}"]) == 0
+    assert "1 finished runs kept, 2 to run" in capsys.readouterr().out
+    assert [c[:2] for c in calls] == ["02", "03"]
+    with open(study_dir / "study.csv") as f:
+        assert len(list(csv.DictReader(f))) == 3

@@ -20,6 +20,7 @@ filled this project's disk with them.
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -90,7 +91,7 @@ def study_from_args(args: list[str], config_files: Sequence[str] = (), baseline:
     if finished:
         _say(f"resuming: {len(finished)} finished runs kept, {len(todo)} to run")
     run_ids: dict[int, str] = dict(finished)
-    status = "FAILED"
+    status, stop = "FAILED", None
     try:
         configs = {r.index: _study_config(r, the_plan, study_dir, uri, experiment, parent, tracker) for r in todo}
         for r in todo:
@@ -101,21 +102,66 @@ def study_from_args(args: list[str], config_files: Sequence[str] = (), baseline:
                 shutil.rmtree(study_dir / configs[run.index].run_name / "checkpoints", ignore_errors=True)
             detail = f": {outcome.error}" if outcome.error else ""
             _say(f"run {run.index}/{len(the_plan.runs)} `{run.combination}` {outcome.status}{detail} (log: {log})")
+            if outcome.status != "FINISHED" and _says_disk_full(outcome.error):
+                raise OSError(errno.ENOSPC, outcome.error)  # every later run would fail the same way
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
+    except Exception as exc:
+        if not _disk_full(exc):
+            raise
+        stop = UserError(_disk_full_message(study_dir, len(run_ids), len(the_plan.runs)))
     finally:  # the runs done so far are reported even when the study stops early
-        records = [store.read_run(client, run_ids[i]) for i in sorted(run_ids)]
-        outputs = write_outputs(records, study_dir, title=f"gpo study {study_dir.name}",
-                                notes=[f"Parent run `{parent}` in `{uri}`.", *the_plan.notes])
-        for path in outputs:
-            client.log_artifact(parent, str(path))
-        client.set_terminated(parent, status)
+        outputs = _report(client, parent, status, [store.read_run(client, run_ids[i]) for i in sorted(run_ids)],
+                          study_dir, uri, the_plan.notes)
+    if stop is not None:
+        raise stop
     print((study_dir / "study.md").read_text(), flush=True)
     _say(f"tables and plots in {study_dir} ({', '.join(p.name for p in outputs)})")
     _say(f"MLflow: parent run {parent}; open with: mlflow ui --backend-store-uri {uri}")
     return 0
+
+
+def _report(client: Any, parent: str, status: str, records: list, study_dir: Path, uri: str,
+            notes: list[str]) -> list[Path]:
+    """Write the study's tables and plots and attach them to the parent run. On a full disk, say so and go on:
+    the error that stops the study is the one to show, and the finished runs stay in the store for resume."""
+    try:
+        outputs = write_outputs(records, study_dir, title=f"gpo study {study_dir.name}",
+                                notes=[f"Parent run `{parent}` in `{uri}`.", *notes])
+        for path in outputs:
+            client.log_artifact(parent, str(path))
+        client.set_terminated(parent, status)
+        return outputs
+    except Exception as exc:
+        if not _disk_full(exc):
+            raise
+        _say("the study's tables were not written: the disk is full.")
+        return []
+
+
+def _says_disk_full(text: str) -> bool:
+    return "No space left on device" in text or "disk is full" in text
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """A full disk however it surfaced: OSError ENOSPC, or SQLite's "database or disk is full" that SQLAlchemy
+    and MLflow wrap in exceptions of their own."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC or _says_disk_full(str(seen)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _disk_full_message(study_dir: Path, kept: int, total: int) -> str:
+    free = shutil.disk_usage(study_dir).free / 2**30 if study_dir.exists() else float("nan")
+    return (f"the disk is full ({free:.1f} GiB free on the drive holding {study_dir}): the study stopped with "
+            f"{kept} of {total} runs recorded; the finished ones are kept. Free space (each run's folder is in "
+            f"{study_dir}; study.keep_checkpoints=true keeps 1.6 GB of checkpoints per run of the default model), "
+            f"then continue the study with `gpo study study.resume={study_dir}`.")
 
 
 def _resumed(args: list[str], config_files: list[str], baseline: str | None):

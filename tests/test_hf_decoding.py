@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpo.backends.hf import HFBackend, HFConfig
-from gpo.decoding import draw, next_token_probs
+from gpo.decoding import BLOCK, draw, next_token_probs, next_token_weights
 from gpo.errors import UserError
 from gpo.types import Sampling
 
@@ -33,18 +33,51 @@ def test_next_token_probs_equal_transformers_warpers():
         assert torch.allclose(got, expected, atol=1e-6), (temperature, top_p)
 
 
-def test_draw_hand_values_and_zero_probability_tokens():
+@pytest.mark.parametrize("block", [BLOCK, 2, 3, 1])  # one block; a zero last block; a zero at a block's end
+def test_draw_hand_values_and_zero_probability_tokens(block):
     probs = torch.tensor([[0.5, 0.0, 0.25, 0.25, 0.0]] * 6, dtype=torch.float64)
     u = torch.tensor([0.0, 0.4999, 0.5, 0.7499, 0.75, 1 - 1e-17])
-    assert draw(probs, u).tolist() == [0, 0, 2, 2, 3, 3]  # never a token of probability 0, even at u -> 1
+    assert draw(probs, u, block).tolist() == [0, 0, 2, 2, 3, 3]  # never a token of probability 0, even at u -> 1
+    assert draw(probs * 8, u, block).tolist() == [0, 0, 2, 2, 3, 3]  # weights need not sum to 1
 
 
-def test_draws_follow_the_exact_categorical_distribution():
+def test_two_level_draw_equals_a_search_over_the_whole_vocabulary():
+    """Against the one-level inverse CDF written out directly, on a vocabulary that is not a multiple of the block,
+    with zero-weight tokens and a whole block of them."""
+    generator = torch.Generator().manual_seed(7)
+    weights = torch.rand(200, 61, generator=generator, dtype=torch.float64)
+    weights[weights < 0.3] = 0.0
+    weights[:, 16:24] = 0.0  # block 2 of 8 tokens carries no weight
+    u = torch.rand(200, generator=generator, dtype=torch.float64)
+    cdf = weights.cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    for block in (8, 7, 61, 64, BLOCK):
+        assert torch.equal(draw(weights, u, block), expected), block
+
+
+def test_next_token_weights_are_the_probabilities_up_to_scale():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50) * 4
+    for temperature, top_p in [(1.0, 1.0), (0.5, 1.0), (1.0, 0.8)]:
+        weights = next_token_weights(logits, temperature, top_p)
+        assert weights.dtype == torch.float32 and torch.allclose(weights.amax(dim=-1), torch.ones(3))
+        scaled = (logits / temperature).to(torch.float64)
+        if top_p == 1.0:
+            assert torch.allclose(weights.double() / weights.double().sum(-1, keepdim=True), scaled.softmax(-1),
+                                  atol=1e-7)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        next_token_weights(logits, 0.0)
+
+
+@pytest.mark.parametrize("block", [BLOCK, 4, 1])  # one block; a block and a shorter one; one token per block
+def test_draws_follow_the_exact_categorical_distribution(block):
     """Pearson chi-square of 60,000 draws against the exact probabilities (seeded, so the test is fixed)."""
-    probs = next_token_probs(torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]), temperature=0.8)  # [1, 6]
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    probs = next_token_probs(logits, temperature=0.8)  # [1, 6]
     generator = torch.Generator().manual_seed(1234)
     draws = 60_000
-    tokens = draw(probs.expand(draws, -1), torch.rand(draws, generator=generator, dtype=torch.float64))
+    weights = next_token_weights(logits, temperature=0.8).expand(draws, -1)  # what the decoder draws from
+    tokens = draw(weights, torch.rand(draws, generator=generator, dtype=torch.float64), block)
     observed = torch.bincount(tokens, minlength=6).double()
     expected = probs[0] * draws
     chi2 = float(((observed - expected) ** 2 / expected).sum())

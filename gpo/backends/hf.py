@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from gpo.decoding import draw, next_token_probs
+from gpo.decoding import draw, next_token_weights
 from gpo.registry import register
 from gpo.schema import PositiveInt
 from gpo.types import Sampling
@@ -91,9 +91,9 @@ class HFBackend:
             if sampling.greedy:
                 token = logits.argmax(dim=-1)  # [alive]
             else:
-                probs = next_token_probs(logits, sampling.temperature, sampling.top_p)
+                weights = next_token_weights(logits, sampling.temperature, sampling.top_p)
                 uniforms = torch.rand(len(rows), generator=generator, dtype=torch.float64)[alive]
-                token = draw(probs, uniforms.to(device))
+                token = draw(weights, uniforms.to(device))
             for row, t in zip(alive.tolist(), token.tolist(), strict=True):
                 rows[row].append(t)
             running = token != eos  # [alive]

@@ -34,6 +34,7 @@ from gpo.rollout_phases import (
     Call,
     Round,
     RoundLedger,
+    generation_seed,
     joined,
     ledger,
     phase_calls,
@@ -140,7 +141,8 @@ class Engine:
     def _draw(self, n_questions: int, round_index: int) -> Round:
         """The round's candidates (the same questions, in the same order, on every rank) and the selector's
         first-phase counts for them."""
-        pool, seed = self.questions.take_indices(n_questions), self._seed(round_index)
+        pool = self.questions.take_indices(n_questions)
+        seed = generation_seed(self.cfg.seed, self.step_index, round_index)
         examples = [self.questions.examples[i] for i in pool]
         return Round(pool, examples, self.selector.first_phase(pool, self.train_cfg.group_size, seed=seed), seed)
 
@@ -279,10 +281,6 @@ class Engine:
             return 0
         kept = self.train_cfg.group_size if kept_per_group is None else kept_per_group
         return math.ceil(waiting.continued * kept)
-
-    def _seed(self, round_index: int) -> int:
-        """Generation seed: a function of (run seed, step, round) only, so a resumed run samples the same."""
-        return (self.cfg.seed * 1_000_003 + self.step_index * 1009 + round_index * 31) % (2**31)
 
     # ---------------------------------------------------------------------------------------------------------
     def evaluate(self, tag: str, task: Any = None, split: str | None = None) -> dict[str, float]:

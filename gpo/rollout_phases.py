@@ -19,8 +19,21 @@ from gpo.errors import UserError
 from gpo.selectors.variance import no_variance
 from gpo.types import RolloutBatch
 
-CONTINUATION_SEED = 1_000_033  # offsets a round's second-phase generation seeds from its first phase's
+# Generation seeds. A call's prompts take consecutive seeds from the call's seed (backends add each prompt's place in
+# the call), so calls are spaced so that none of a run's calls share a seed: up to PROMPT_SEEDS prompts per call,
+# 16 rounds per step and 2**31 / STEP_SEEDS = 32768 steps. (Spaced 31 apart, as before, a round of more than 31
+# prompts ran into the next round's seeds, and prompts of one step shared random streams.)
+PROMPT_SEEDS = 2048
+CONTINUATION_SEED = PROMPT_SEEDS  # a round's second phase, seeded apart from its first
+ROUND_SEEDS = 2 * PROMPT_SEEDS
+STEP_SEEDS = 16 * ROUND_SEEDS
 TOLERANCE = 1e-6  # equal rewards for the zero-variance shares in the metrics (exact for binary rewards)
+
+
+def generation_seed(run_seed: int, step: int, round_index: int) -> int:
+    """The seed of a round's first phase: a function of (run seed, step, round) only, so a resumed run samples the
+    same; its second phase takes this + CONTINUATION_SEED."""
+    return (run_seed * 1_000_003 + step * STEP_SEEDS + round_index * ROUND_SEEDS) % (2**31)
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,12 @@ from gpo import registry
 from gpo.errors import UserError
 from gpo.metrics import selection_metrics
 from gpo.rollout_phases import (
+    CONTINUATION_SEED,
+    PROMPT_SEEDS,
     Call,
     Round,
     RoundLedger,
+    generation_seed,
     ledger,
     phase_calls,
     rank_share,
@@ -324,3 +327,19 @@ def test_study_table_sums_selection_over_steps():
     plain = RunRecord(run_id="p", name="p", combination="", group="g", status="FINISHED", error="", baseline=False,
                       metrics={}, history={}, params={})
     assert set(_selection_columns(plain).values()) == {None}
+
+
+def test_no_two_calls_of_a_run_share_a_seed():
+    """Every call's prompts take seeds seed .. seed + prompts - 1. Over 300 steps of 16 rounds with both phases, at
+    the most prompts a call may have, no two calls' seed ranges meet (spaced 31 apart, as before, round 0's prompt
+    31 had round 1's prompt 0's seed)."""
+    ranges = []
+    for step in range(300):
+        for r in range(16):
+            first = generation_seed(5, step, r)
+            second = first + CONTINUATION_SEED
+            ranges += [(first, first + PROMPT_SEEDS), (second, second + PROMPT_SEEDS)]
+    ranges.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:], strict=False))
+    assert generation_seed(5, 0, 1) != generation_seed(5, 0, 0) + 31
+    assert generation_seed(5, 7, 2) == generation_seed(5, 7, 2)  # a function of (run seed, step, round) only

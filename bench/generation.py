@@ -8,8 +8,9 @@ Arms (each generates the same prompts, with the same seeds, on the same weights 
 Sizes: questions x G completions x new tokens; by default the training default (8 x 8, 32 new tokens) and
 GSM8K-length completions (256 new tokens), with G = 8 and 16. Arms are interleaved and rotated per repeat.
 Tokens per second counts the completion tokens returned (EOS included).
-The profile of one decode step splits its time into the model's forward and drawing the next token (multinomial,
-as `generate` does, against gpo's inverse-CDF draw) at the size's row count.
+The profile of one decode step splits its time into the model's forward and drawing the next token at the size's
+row count: multinomial (as `generate` does), a one-level inverse-CDF draw (a cumulative sum over the whole
+vocabulary, gpo's draw until 2026-12-02) and gpo's two-level draw (blocks, then tokens in the chosen block).
 
     python bench/generation.py --repeats 3
 """
@@ -25,8 +26,10 @@ from harness import add_common, engine, freeze_weights, spread, table, write_sec
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--sizes", nargs="*", default=["8x8x32", "8x16x32", "8x8x256", "8x16x256"],
-                   metavar="QxGxT", help="questions x completions per question x new tokens")
+    p.add_argument("--sizes", nargs="*", default=SIZES, metavar="QxGxT",
+                   help="questions x completions per question x new tokens")
+    p.add_argument("--arms", nargs="+", choices=["hf-generate", "hf-gpo", "vllm"],
+                   help="time only these (default: both hf paths, and vllm with --vllm)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--vllm", action="store_true", help="also time backend=vllm (starts a vLLM engine)")
     add_common(p)
@@ -41,9 +44,10 @@ def main() -> None:
     freeze_weights(eng)
     backends = {"hf-generate": HFBackend(HFConfig(decode="generate"), eng.policy, eng.tokenizer),
                 "hf-gpo": HFBackend(HFConfig(decode="gpo"), eng.policy, eng.tokenizer)}
-    if args.vllm:
+    if args.vllm or (args.arms and "vllm" in args.arms):
         entry = registry.get("backend", "vllm")
         backends["vllm"] = entry.build(entry.config(), model=eng.policy, tokenizer=eng.tokenizer)
+    backends = {name: b for name, b in backends.items() if not args.arms or name in args.arms}
     questions = eng.questions.take(max(int(s.split("x")[0]) for s in args.sizes))
     prompts_all = encode_prompts(eng.tokenizer, [eng.task.prompt(q) for q in questions], 256)
 
@@ -64,11 +68,10 @@ def main() -> None:
                 if r:
                     speed[name].append(sum(len(x) for x in out) / dt)
                     seconds[name].append(dt)
-        base = speed["hf-generate"]
         for name in names:
-            ratio = [a / b for a, b in zip(speed[name], base, strict=True)]
-            rows.append([size, name, spread(seconds[name]), spread(speed[name]), spread(ratio)])
-        profile_rows.extend(_decode_step_profile(eng.policy, prompts, group, args.repeats))
+            ratios = [_ratio(speed, name, base) for base in ("hf-generate", "hf-gpo")]
+            rows.append([size, name, spread(seconds[name]), spread(speed[name]), *ratios])
+        profile_rows.append([size, *_decode_step_profile(eng.policy, prompts, group, args.repeats)])
         print(table(HEADERS, rows), flush=True)
 
     body = (f"Model `{args.model}`, arith prompts (about 66 tokens with the chat template), sampling at T=1; "
@@ -77,24 +80,35 @@ def main() -> None:
             + "\n\nOne decode step (one new token for every row, cache of the prompt plus 16 tokens), "
               "median (min-max) ms:\n\n" + table(PROFILE_HEADERS, profile_rows))
     print(body)
-    write_section("generation", "Generation: tokens per second by path", body, args)
+    variant = " ".join(([f"sizes {' '.join(args.sizes)}"] if args.sizes != SIZES else [])
+                       + ([f"arms {' '.join(args.arms)}"] if args.arms else []))
+    write_section("generation", "Generation: tokens per second by path", body, args, variant)
 
 
-HEADERS = ["Q x G x new tokens", "arm", "seconds", "tokens/s", "x hf-generate"]
-PROFILE_HEADERS = ["rows", "model forward", "softmax + multinomial", "inverse-CDF draw"]
+SIZES = ["8x8x32", "8x16x32", "8x8x256", "8x16x256"]
+HEADERS = ["Q x G x new tokens", "arm", "seconds", "tokens/s", "x hf-generate", "x hf-gpo"]
+PROFILE_HEADERS = ["Q x G x new tokens", "rows", "model forward", "softmax + multinomial",
+                   "one-level inverse CDF", "two-level inverse CDF (gpo)"]
 
 
-def _decode_step_profile(model, prompts: list[list[int]], group: int, repeats: int) -> list[list[object]]:
+def _ratio(speed: dict[str, list[float]], name: str, base: str) -> str:
+    """Paired per-repeat ratios of `name`'s tokens per second to `base`'s; '-' when `base` did not run."""
+    if base not in speed:
+        return "-"
+    return spread([a / b for a, b in zip(speed[name], speed[base], strict=True)])
+
+
+def _decode_step_profile(model, prompts: list[list[int]], group: int, repeats: int) -> list[object]:
     """ms of one decode step's parts at b*G rows: the forward with a cache, and the two ways to draw a token."""
     import torch
 
-    from gpo.decoding import draw, next_token_probs
+    from gpo.decoding import draw, next_token_weights
     from gpo.rollout import pad
 
     ids, mask = pad(prompts, 0, left=True)
     ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
     rows = ids.shape[0]
-    forward, multinomial, inverse = [], [], []
+    forward, multinomial, one_level, inverse = [], [], [], []
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits[:, -1]
@@ -113,10 +127,14 @@ def _decode_step_profile(model, prompts: list[list[int]], group: int, repeats: i
             torch.multinomial(torch.softmax(logits, dim=-1), 1)
             multinomial.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            draw(next_token_probs(logits, 1.0), torch.rand(rows, dtype=torch.float64))
+            cdf = torch.softmax(logits.double(), dim=-1).cumsum(dim=-1)  # the one-level draw gpo had before
+            torch.searchsorted(cdf, torch.rand(rows, 1, dtype=torch.float64) * cdf[:, -1:], right=True)
+            one_level.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            draw(next_token_weights(logits, 1.0), torch.rand(rows, dtype=torch.float64))
             inverse.append(time.perf_counter() - t0)
     ms = lambda xs: spread([1000 * x for x in xs[1:]])  # noqa: E731 (the first call warms up)
-    return [[rows, ms(forward), ms(multinomial), ms(inverse)]]
+    return [rows, ms(forward), ms(multinomial), ms(one_level), ms(inverse)]
 
 
 if __name__ == "__main__":  # vLLM starts worker processes: keep the benchmark's body behind the main guard

@@ -83,14 +83,15 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(key: str, title: str, body: str, args) -> None:
+def write_section(key: str, title: str, body: str, args, variant: str = "") -> None:
     """Replace (or append) this script's section of docs/benchmarks.md; other sections are left as they are.
     `args` carries the options of `add_common`: with --no-write nothing is written (a trial run at tiny sizes must
-    not overwrite measured figures), and a run with --set overrides gets a section of its own beside the default."""
+    not overwrite measured figures), and a run with --set overrides, or a script's own `variant` (other sizes or
+    arms than its defaults), gets a section of its own beside the default."""
     if args.no_write:
         return
-    if args.set:
-        variant = " ".join(args.set)
+    variant = " ".join([*args.set, variant]).strip()
+    if variant:
         key, title = f"{key} {variant}", f"{title} ({variant})"
     command = "python " + " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
     section = (f"<!-- bench:{key} -->\n## {title}\n\n`{command}` ({date.today().isoformat()}, "

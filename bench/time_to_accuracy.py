@@ -47,8 +47,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
     arms = {name: engine(*common, *ARMS[name]) for name in args.arms}
     marks = [args.budget * f for f in args.eval_at]
     start_acc = next(iter(arms.values())).evaluate("t")["eval/t/accuracy"]  # every arm starts from these weights
-    state = {name: {"seconds": 0.0, "steps": 0, "tokens": 0.0, "useful": 0.0, "curve": [(0.0, start_acc)],
-                    "next_mark": 0} for name in arms}
+    state = {name: {"seconds": 0.0, "steps": 0, "tokens": 0.0, "useful": 0.0, "considered": 0.0,
+                    "curve": [(0.0, start_acc)], "next_mark": 0} for name in arms}
     while True:
         active = [n for n in arms if state[n]["seconds"] < args.budget and state[n]["steps"] < args.max_steps]
         if not active:
@@ -59,6 +59,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
         s["seconds"] += metrics["time/step"]
         s["steps"] += 1
         s["tokens"] += metrics["tokens/generated"]
+        s["considered"] += metrics.get("select/considered", 0.0)
         ratio = metrics.get("tokens/generated_per_useful_row")
         s["useful"] += metrics["tokens/generated"] / ratio if ratio else 0.0
         while s["next_mark"] < len(marks) and s["seconds"] >= marks[s["next_mark"]]:
@@ -118,13 +119,27 @@ def verdict(summary: dict[str, dict]) -> list[str]:
     return lines
 
 
+def unseen_history(results: dict[int, dict[str, dict]], pool: int) -> list[str]:
+    """A history-based selector (greso, mopps) decides from a question's past rollouts: in an arm that drew no more
+    questions than the pool holds, no question came back, and the selector had nothing to go on."""
+    lines = []
+    for name in sorted({n for state in results.values() for n in state if n.split("+")[0] in ("greso", "mopps")}):
+        drawn = [state[name].get("considered", 0) for state in results.values() if name in state]
+        if max(drawn) <= pool:
+            lines.append(f"{name} drew at most {max(drawn):.0f} questions per seed from a pool of {pool}: no question "
+                         "came back, so its selector had no history and cannot be judged here (use a smaller --pool "
+                         "or a longer --budget)")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--budget", type=float, default=900, help="training seconds per arm (summed step time)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    p.add_argument("--pool", type=int, default=256, help="task.train_size: the fixed pool of training questions")
+    p.add_argument("--pool", type=int, default=64, help="task.train_size: the fixed pool of training questions; "
+                   "small enough that questions come back within the budget, or greso and mopps have no history")
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-5)
@@ -147,10 +162,11 @@ def main() -> None:
     rows, summary = summarise(results, args.arms)
     body = table(["arm", "time to GRPO's final accuracy / GRPO's time", "final accuracy - GRPO's",
                   "generated tokens per useful row / GRPO's"], rows)
-    curves = [[seed, name, s["steps"], " ".join(f"{t:.0f}s:{a:.3f}" for t, a in s["curve"])]
+    curves = [[seed, name, s["steps"], f"{s.get('considered', 0) / args.pool:.2f}",
+               " ".join(f"{t:.0f}s:{a:.3f}" for t, a in s["curve"])]
               for seed, state in results.items() for name, s in state.items()]
-    body += "\n\n" + table(["seed", "arm", "steps", "held-out accuracy (time:acc)"], curves)
-    body += "\n\n" + "\n".join(f"- {v}" for v in verdict(summary))
+    body += "\n\n" + table(["seed", "arm", "steps", "passes over the pool", "held-out accuracy (time:acc)"], curves)
+    body += "\n\n" + "\n".join(f"- {v}" for v in verdict(summary) + unseen_history(results, args.pool))
     print(body)
     note = (f"\n\nSizes: {args.model}, two-digit arith from a pool of {args.pool} train questions, B={args.questions}, "
             f"G=8, at most {args.max_new} new tokens, lr {args.lr} constant, budget {args.budget:.0f} s of training "

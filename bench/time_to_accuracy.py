@@ -74,16 +74,17 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
 
 
 def summarise(results: dict[int, dict[str, dict]], arms: list[str]) -> tuple[list[list], dict[str, dict]]:
-    """Per arm over seeds: time to GRPO's final accuracy as a fraction of GRPO's time, final accuracy, and
-    generated tokens per useful row relative to GRPO's (each seed paired with its own GRPO run)."""
+    """Per arm over seeds: time to GRPO's final accuracy as a fraction of GRPO's own time to it (its first mark at
+    or above its final accuracy: a GRPO run that peaked and fell back got there before its end), final accuracy,
+    and generated tokens per useful row relative to GRPO's (each seed paired with its own GRPO run)."""
     out: dict[str, dict] = {}
     for name in arms:
         times, finals, per_row = [], [], []
         for state in results.values():
             grpo, arm = state["grpo"], state[name]
             target = grpo["curve"][-1][1]
-            reached = next((t for t, a in arm["curve"][1:] if a >= target), None)
-            times.append(None if reached is None else reached / grpo["seconds"])
+            reached = _first_reached(arm["curve"], target)
+            times.append(None if reached is None else reached / _first_reached(grpo["curve"], target))
             finals.append(arm["curve"][-1][1] - target)
             ratio = (arm["tokens"] / arm["useful"]) / (grpo["tokens"] / grpo["useful"]) \
                 if arm["useful"] and grpo["useful"] else float("nan")
@@ -92,6 +93,11 @@ def summarise(results: dict[int, dict[str, dict]], arms: list[str]) -> tuple[lis
     rows = [[name, _spread(v["times"]), _spread(v["finals"], signed=True), _spread(v["per_row"])]
             for name, v in out.items()]
     return rows, out
+
+
+def _first_reached(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Seconds of the first mark after the start at or above `target`; None if none is."""
+    return next((t for t, a in curve[1:] if a >= target), None)
 
 
 def _spread(values: list[float | None], signed: bool = False) -> str:
@@ -124,8 +130,8 @@ def unseen_history(results: dict[int, dict[str, dict]], pool: int) -> list[str]:
     questions than the pool holds, no question came back, and the selector had nothing to go on."""
     lines = []
     for name in sorted({n for state in results.values() for n in state if n.split("+")[0] in ("greso", "mopps")}):
-        drawn = [state[name].get("considered", 0) for state in results.values() if name in state]
-        if max(drawn) <= pool:
+        drawn = [state[name]["considered"] for state in results.values() if "considered" in state.get(name, {})]
+        if drawn and max(drawn) <= pool:
             lines.append(f"{name} drew at most {max(drawn):.0f} questions per seed from a pool of {pool}: no question "
                          "came back, so its selector had no history and cannot be judged here (use a smaller --pool "
                          "or a longer --budget)")
@@ -149,20 +155,23 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=10_000)
     p.add_argument("--save", type=Path, help="write every finished seed's curves here as JSON, so a long run that "
                    "dies later keeps what it measured")
+    p.add_argument("--from-json", type=Path, help="tabulate a run saved with --save instead of running one")
     add_common(p)
     args = p.parse_args()
     if "grpo" not in args.arms:
         p.error("--arms must include grpo: every arm is measured against it")
 
     results: dict[int, dict[str, dict]] = {}
-    for seed in args.seeds:
+    if args.from_json:  # the same arguments as the run that saved it, so the notes below describe that run
+        results = {int(seed): state for seed, state in json.loads(args.from_json.read_text()).items()}
+    for seed in [] if args.from_json else args.seeds:
         results[seed] = run_seed(args, seed)
         if args.save:
             args.save.write_text(json.dumps(results, indent=1))
     rows, summary = summarise(results, args.arms)
-    body = table(["arm", "time to GRPO's final accuracy / GRPO's time", "final accuracy - GRPO's",
+    body = table(["arm", "time to GRPO's final accuracy / GRPO's time to it", "final accuracy - GRPO's",
                   "generated tokens per useful row / GRPO's"], rows)
-    curves = [[seed, name, s["steps"], f"{s.get('considered', 0) / args.pool:.2f}",
+    curves = [[seed, name, s["steps"], f"{s['considered'] / args.pool:.2f}" if "considered" in s else "-",
                " ".join(f"{t:.0f}s:{a:.3f}" for t, a in s["curve"])]
               for seed, state in results.items() for name, s in state.items()]
     body += "\n\n" + table(["seed", "arm", "steps", "passes over the pool", "held-out accuracy (time:acc)"], curves)

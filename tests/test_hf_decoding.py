@@ -234,7 +234,7 @@ def test_backend_auto_picks_by_machine_and_says_why(monkeypatch, capsys):
                             else real_find_spec(name, *a))
 
     for cuda, vllm_installed, tokens, expected in [
-        (False, True, 32, "hf"), (False, True, 255, "hf"), (False, True, 256, "vllm"), (False, False, 1024, "hf"),
+        (False, True, 32, "hf"), (False, True, 127, "hf"), (False, True, 128, "vllm"), (False, False, 1024, "hf"),
         (True, False, 32, "hf"), (True, True, 32, "vllm"),
     ]:
         machine(cuda, vllm_installed)

@@ -212,3 +212,19 @@ def test_a_full_disk_under_mlflow_keeps_the_finished_runs_for_resume(monkeypatch
     assert [c[:2] for c in calls] == ["02", "03"]
     with open(study_dir / "study.csv") as f:
         assert len(list(csv.DictReader(f))) == 3
+
+
+def test_a_full_disk_while_writing_the_tables_of_a_finished_study_is_a_user_error(monkeypatch, tiny_model_path,
+                                                                                 tmp_path, capsys):
+    """Every run recorded, then the report hits the full disk: exit 2 with the resume hint, not a traceback over
+    the study.md that was never written."""
+    from gpo.study import runner
+
+    def report_on_full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runner, "run_child", _fake_child([]))
+    monkeypatch.setattr(runner, "write_outputs", report_on_full_disk)
+    assert cli.main(["study", *_args(tiny_model_path, tmp_path, "optim.lr=1e-5,2e-5")]) == 2
+    err = capsys.readouterr().err
+    assert "the disk is full" in err and "2 of 2 runs recorded" in err and "Traceback" not in err

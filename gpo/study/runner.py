@@ -115,6 +115,8 @@ def study_from_args(args: list[str], config_files: Sequence[str] = (), baseline:
     finally:  # the runs done so far are reported even when the study stops early
         outputs = _report(client, parent, status, [store.read_run(client, run_ids[i]) for i in sorted(run_ids)],
                           study_dir, uri, the_plan.notes)
+    if outputs is None:  # the tables could not be written, even where every run was recorded
+        raise stop or UserError(_disk_full_message(study_dir, len(run_ids), len(the_plan.runs)))
     if stop is not None:
         raise stop
     print((study_dir / "study.md").read_text(), flush=True)
@@ -124,9 +126,10 @@ def study_from_args(args: list[str], config_files: Sequence[str] = (), baseline:
 
 
 def _report(client: Any, parent: str, status: str, records: list, study_dir: Path, uri: str,
-            notes: list[str]) -> list[Path]:
-    """Write the study's tables and plots and attach them to the parent run. On a full disk, say so and go on:
-    the error that stops the study is the one to show, and the finished runs stay in the store for resume."""
+            notes: list[str]) -> list[Path] | None:
+    """Write the study's tables and plots and attach them to the parent run; None when the disk is full (said
+    here, and not raised: an error that stopped the study first is the one to show, and the recorded runs stay in
+    the store for resume)."""
     try:
         outputs = write_outputs(records, study_dir, title=f"gpo study {study_dir.name}",
                                 notes=[f"Parent run `{parent}` in `{uri}`.", *notes])
@@ -138,7 +141,7 @@ def _report(client: Any, parent: str, status: str, records: list, study_dir: Pat
         if not _disk_full(exc):
             raise
         _say("the study's tables were not written: the disk is full.")
-        return []
+        return None
 
 
 def _says_disk_full(text: str) -> bool:

@@ -164,10 +164,11 @@ def main() -> None:
     results: dict[int, dict[str, dict]] = {}
     if args.from_json:  # the same arguments as the run that saved it, so the notes below describe that run
         results = {int(seed): state for seed, state in json.loads(args.from_json.read_text()).items()}
-    for seed in [] if args.from_json else args.seeds:
-        results[seed] = run_seed(args, seed)
-        if args.save:
-            args.save.write_text(json.dumps(results, indent=1))
+    else:
+        for seed in args.seeds:
+            results[seed] = run_seed(args, seed)
+            if args.save:
+                args.save.write_text(json.dumps(results, indent=1))
     rows, summary = summarise(results, args.arms)
     body = table(["arm", "time to GRPO's final accuracy / GRPO's time to it", "final accuracy - GRPO's",
                   "generated tokens per useful row / GRPO's"], rows)

@@ -1,11 +1,11 @@
 """Time to accuracy: does choosing questions before generation (selector) compose with CPPO's pruning after it?
 
 Arms: grpo, dapo (dynamic sampling), cppo (top-k P=0.75 + dynamic allocator), screen (SPEED-RL), screen+cppo,
-greso+cppo and mopps+cppo, on two-digit arith from a fixed pool (task.train_size), so questions come back and the
-history-based selectors see them again. All arms of one seed live in one process and take training steps in turn
-(the arm with the least training time so far goes next), so load from other jobs hits them alike; each arm stops
-when its own summed step time reaches the budget. Held-out greedy accuracy (validation split) is measured at
-fixed fractions of the budget, outside the budgeted time.
+greso+cppo, mopps+cppo and screen+dapo, on two-digit arith from a fixed pool (task.train_size), so questions come
+back and the history-based selectors see them again. All arms of one seed live in one process and take training
+steps in turn (the arm with the least training time so far goes next), so load from other jobs hits them alike; each
+arm stops when its own summed step time reaches the budget. Held-out greedy accuracy (validation split) is measured
+at fixed fractions of the budget, outside the budgeted time.
 
 Reported per arm: time to GRPO's final held-out accuracy (median over seeds, min-max), final accuracy, and
 generated tokens per useful trained row (a kept row with non-zero advantage; screened-out rollouts count as
@@ -26,16 +26,19 @@ from pathlib import Path
 from harness import add_common, engine, table, write_section
 
 CPPO = ["pruner=topk", "pruner.rate=0.75", "allocator=dynamic"]
+DAPO = ["algo=dapo", "pruner=none", "allocator=static", "allocator.max_rounds=3"]
 ARMS = {
     "grpo": ["pruner=none", "allocator=static"],
-    "dapo": ["algo=dapo", "pruner=none", "allocator=static", "allocator.max_rounds=3"],
+    "dapo": DAPO,
     "cppo": CPPO,
     "screen": ["selector=screen", "pruner=none", "allocator=dynamic"],
     "screen+cppo": ["selector=screen", *CPPO],
     "greso+cppo": ["selector=greso", *CPPO],
     "mopps+cppo": ["selector=mopps", *CPPO],
+    # keeps every row of a group that varies, so its tokens per useful row are not bounded below by CPPO's pruning
+    "screen+dapo": ["selector=screen", *DAPO],
 }
-COMPOSED = ("screen+cppo", "greso+cppo", "mopps+cppo")
+COMPOSED = ("screen+cppo", "greso+cppo", "mopps+cppo", "screen+dapo")
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
@@ -183,7 +186,7 @@ def main() -> None:
             f"per arm, seeds {args.seeds}; held-out accuracy is greedy on the first {args.eval_limit} validation "
             f"questions at {args.eval_at} of the budget (an arm is seen to reach the target only at those marks).")
     write_section("time_to_accuracy", "Time to accuracy: selection before generation composed with CPPO",
-                  body + note, args)
+                  body + note, args, variant=f"pool {args.pool}")
 
 
 if __name__ == "__main__":

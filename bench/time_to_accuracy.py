@@ -159,8 +159,8 @@ def settings(args: argparse.Namespace) -> dict:
 def load_saved(path: Path) -> tuple[dict | None, dict[int, dict[str, dict]]]:
     """A --save file: its settings (None for files saved before they were recorded) and its seeds' curves."""
     data = json.loads(path.read_text())
-    settings, seeds = (data["settings"], data["seeds"]) if "seeds" in data else (None, data)
-    return settings, {int(seed): state for seed, state in seeds.items()}
+    saved_settings, seeds = (data["settings"], data["seeds"]) if "seeds" in data else (None, data)
+    return saved_settings, {int(seed): state for seed, state in seeds.items()}
 
 
 def main() -> None:
@@ -191,18 +191,19 @@ def main() -> None:
     if args.from_json:  # the same arguments as the run that saved it, so the notes below describe that run
         results = load_saved(args.from_json)[1]
     else:
+        measured: dict[int, dict[str, dict]] = {}  # every seed of the --save file, asked for this time or not
         if args.save and args.save.exists():  # a run split over sessions: the seeds already saved are not re-run
-            saved_settings, results = load_saved(args.save)
+            saved_settings, measured = load_saved(args.save)
             if saved_settings != settings(args):
                 p.error(f"{args.save} was saved with other settings ({saved_settings}); run with those, or --save "
                         "to a new file")
-            results = {seed: state for seed, state in results.items() if seed in args.seeds}
-            print(f"resuming {args.save}: seeds {sorted(results)} already measured", flush=True)
-        for seed in [s for s in args.seeds if s not in results]:
-            results[seed] = run_seed(args, seed)
-            if args.save:
-                args.save.write_text(json.dumps({"settings": settings(args), "seeds": results}, indent=1))
-        results = {seed: results[seed] for seed in args.seeds}
+            print(f"resuming {args.save}: seeds {sorted(s for s in measured if s in args.seeds)} already measured",
+                  flush=True)
+        for seed in [s for s in args.seeds if s not in measured]:
+            measured[seed] = run_seed(args, seed)
+            if args.save:  # the file keeps the seeds this run was not asked for
+                args.save.write_text(json.dumps({"settings": settings(args), "seeds": measured}, indent=1))
+        results = {seed: measured[seed] for seed in args.seeds}
     rows, summary = summarise(results, args.arms)
     body = table(["arm", "time to GRPO's final accuracy / GRPO's time to it", "final accuracy - GRPO's",
                   "generated tokens per useful row / GRPO's", "mean accuracy over the marks - GRPO's"], rows)

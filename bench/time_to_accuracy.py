@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
+from typing import Any
 
 from harness import add_common, engine, table, write_section
 
@@ -50,8 +52,9 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
     arms = {name: engine(*common, *ARMS[name]) for name in args.arms}
     marks = [args.budget * f for f in args.eval_at]
     start_acc = next(iter(arms.values())).evaluate("t")["eval/t/accuracy"]  # every arm starts from these weights
-    state = {name: {"seconds": 0.0, "steps": 0, "tokens": 0.0, "useful": 0.0, "considered": 0.0,
-                    "curve": [(0.0, start_acc)], "next_mark": 0} for name in arms}
+    state: dict[str, dict[str, Any]] = {  # JSON-shaped, as --save writes it
+        name: {"seconds": 0.0, "steps": 0, "tokens": 0.0, "useful": 0.0, "considered": 0.0,
+               "curve": [(0.0, start_acc)], "next_mark": 0} for name in arms}
     while True:
         active = [n for n in arms if state[n]["seconds"] < args.budget and state[n]["steps"] < args.max_steps]
         if not active:
@@ -86,8 +89,9 @@ def summarise(results: dict[int, dict[str, dict]], arms: list[str]) -> tuple[lis
         for state in results.values():
             grpo, arm = state["grpo"], state[name]
             target = grpo["curve"][-1][1]
-            reached = _first_reached(arm["curve"], target)
-            times.append(None if reached is None else reached / _first_reached(grpo["curve"], target))
+            reached, grpo_time = _first_reached(arm["curve"], target), _first_reached(grpo["curve"], target)
+            assert grpo_time is not None  # GRPO's own last mark is at its final accuracy
+            times.append(None if reached is None else reached / grpo_time)
             finals.append(arm["curve"][-1][1] - target)
             means.append(_mean_accuracy(arm["curve"]) - _mean_accuracy(grpo["curve"]))
             ratio = (arm["tokens"] / arm["useful"]) / (grpo["tokens"] / grpo["useful"]) \
@@ -104,6 +108,32 @@ def _mean_accuracy(curve: list[tuple[float, float]]) -> float:
     the time to a target rests on the first mark that crosses it; the mean over all marks is the steadier reading
     of how fast an arm learned within the budget (the marks sit at the same fractions of it for every arm)."""
     return statistics.fmean(a for _, a in curve[1:])
+
+
+def levelled_off(curve: list[tuple[float, float]], questions: int) -> bool:
+    """Whether held-out accuracy had stopped rising by the end of the budget: a least-squares line through the marks
+    in the second half of the budget rises across them by no more than one mark's noise, the binomial standard error
+    sqrt(p(1 - p) / n) of one mark of n questions at their mean accuracy p. A curve that peaked and fell back has
+    levelled off too. Fewer than three marks in the second half cannot tell: False."""
+    late = [(t, a) for t, a in curve[1:] if t >= curve[-1][0] / 2]
+    if len(late) < 3:
+        return False
+    seconds, accuracy = [t for t, _ in late], [a for _, a in late]
+    rise = statistics.linear_regression(seconds, accuracy).slope * (seconds[-1] - seconds[0])
+    p = statistics.fmean(accuracy)
+    return rise <= math.sqrt(p * (1 - p) / questions)
+
+
+def grpo_levelled(results: dict[int, dict[str, dict]], questions: int) -> list[str]:
+    """Issue 18 asks for a budget in which GRPO levels off: below it, "GRPO's final accuracy" is wherever GRPO happened
+    to stop, its time to it is the whole budget, and the time ratio measures the budget rather than the arms."""
+    flat = [seed for seed, state in results.items() if levelled_off(state["grpo"]["curve"], questions)]
+    line = (f"GRPO levelled off (its second half rose by at most one mark's noise) in {len(flat)} of {len(results)} "
+            f"seeds: {flat}")
+    if len(flat) < len(results):
+        line += ("; in the others it was still rising at the end, so this budget is too short to judge the time "
+                 "target there")
+    return [line]
 
 
 def _first_reached(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -211,14 +241,15 @@ def main() -> None:
                " ".join(f"{t:.0f}s:{a:.3f}" for t, a in s["curve"])]
               for seed, state in results.items() for name, s in state.items()]
     body += "\n\n" + table(["seed", "arm", "steps", "passes over the pool", "held-out accuracy (time:acc)"], curves)
-    body += "\n\n" + "\n".join(f"- {v}" for v in verdict(summary) + unseen_history(results, args.pool))
+    notes = verdict(summary) + grpo_levelled(results, args.eval_limit) + unseen_history(results, args.pool)
+    body += "\n\n" + "\n".join(f"- {v}" for v in notes)
     print(body)
     note = (f"\n\nSizes: {args.model}, two-digit arith from a pool of {args.pool} train questions, B={args.questions}, "
             f"G=8, at most {args.max_new} new tokens, lr {args.lr} constant, budget {args.budget:.0f} s of training "
             f"per arm, seeds {args.seeds}; held-out accuracy is greedy on the first {args.eval_limit} validation "
             f"questions at {args.eval_at} of the budget (an arm is seen to reach the target only at those marks).")
     write_section("time_to_accuracy", "Time to accuracy: selection before generation composed with CPPO",
-                  body + note, args, variant=f"pool {args.pool}")
+                  body + note, args, variant=f"pool {args.pool}, budget {args.budget:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,91 @@
+"""The verdicts of bench/time_to_accuracy.py, on hand-made curves: when GRPO has levelled off, the time ratio to
+GRPO's final accuracy, and the targets' met/missed lines. The benchmark's readings rest on these, and a run of it
+takes hours, so its arithmetic is checked here on values worked out by hand."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture()
+def tta(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # the script imports its sibling as `harness`
+    return importlib.import_module("time_to_accuracy")
+
+
+def arm(curve, tokens=100.0, useful=10.0):
+    return {"curve": curve, "tokens": tokens, "useful": useful, "steps": 1}
+
+
+# second half (t >= 125 s): 0.65, 0.675, 0.65 at 150, 200, 250 s, a least-squares slope of 0
+PLATEAU = [(0, 0.0), (50, 0.5), (100, 0.4), (150, 0.65), (200, 0.675), (250, 0.65)]
+# second half: 0.4, 0.5, 0.65 at 150, 200, 250 s; slope 12.5 / 5000 = 0.0025 per s, so it rises 0.25 across the
+# half, above one mark's noise at 40 questions: sqrt(0.5167 * 0.4833 / 40) = 0.079
+RISING = [(0, 0.0), (50, 0.2), (100, 0.3), (150, 0.4), (200, 0.5), (250, 0.65)]
+
+
+def test_a_flat_second_half_has_levelled_off_and_a_rising_one_has_not(tta):
+    assert tta.levelled_off(PLATEAU, questions=40)
+    assert not tta.levelled_off(RISING, questions=40)
+
+
+def test_a_curve_that_peaked_and_fell_back_has_levelled_off(tta):
+    assert tta.levelled_off([(0, 0.0), (100, 0.5), (150, 0.7), (200, 0.6), (250, 0.5)], questions=40)
+
+
+def test_the_noise_allowance_shrinks_with_more_questions(tta):
+    # second half 0.60, 0.63, 0.66 at 150, 200, 250 s: it rises 0.06, inside one mark's noise at 40 questions
+    # (sqrt(0.63 * 0.37 / 40) = 0.076) and outside it at 1,000 (0.015)
+    curve = [(0, 0.0), (100, 0.5), (150, 0.60), (200, 0.63), (250, 0.66)]
+    assert tta.levelled_off(curve, questions=40)
+    assert not tta.levelled_off(curve, questions=1000)
+
+
+def test_too_few_late_marks_cannot_show_a_plateau(tta):
+    assert not tta.levelled_off([(0, 0.0), (100, 0.6), (200, 0.6)], questions=40)
+
+
+def test_grpo_levelled_names_the_seeds_and_says_when_the_budget_is_short(tta):
+    results = {1: {"grpo": arm(PLATEAU)}, 2: {"grpo": arm(RISING)}}
+    (line,) = tta.grpo_levelled(results, questions=40)
+    assert "in 1 of 2 seeds: [1]" in line and "too short" in line
+    (line,) = tta.grpo_levelled({1: {"grpo": arm(PLATEAU)}}, questions=40)
+    assert "in 1 of 1 seeds: [1]" in line and "too short" not in line
+
+
+def test_time_ratio_counts_from_grpos_first_mark_at_its_final_accuracy(tta):
+    # GRPO's final accuracy is 0.65, which it first reached at 150 s (it peaked and fell back to it); the arm gets
+    # to 0.65 at 60 s: 0.40x. Its tokens per useful row are 50 / 10 = 5 against GRPO's 100 / 10 = 10: 0.50x.
+    fast = arm([(0, 0.0), (60, 0.7), (120, 0.7), (180, 0.75)], tokens=50.0)
+    rows, summary = tta.summarise({1: {"grpo": arm(PLATEAU), "screen+cppo": fast}}, ["grpo", "screen+cppo"])
+    got = summary["screen+cppo"]
+    assert got["times"] == [pytest.approx(0.4)]
+    assert got["finals"] == [pytest.approx(0.1)]
+    assert got["per_row"] == [pytest.approx(0.5)]
+    assert rows[0][1] == "1.00"  # GRPO against itself
+    (line,) = tta.verdict(summary)
+    assert line.endswith("target met")
+
+
+def test_an_arm_that_never_reaches_the_target_misses_it(tta):
+    slow = arm([(0, 0.0), (100, 0.3), (250, 0.5)])
+    _, summary = tta.summarise({1: {"grpo": arm(PLATEAU), "screen+cppo": slow}}, ["grpo", "screen+cppo"])
+    assert summary["screen+cppo"]["times"] == [None]
+    assert tta._spread(summary["screen+cppo"]["times"]) == "not reached"
+    (line,) = tta.verdict(summary)
+    assert line.endswith("target MISSED")
+
+
+def test_saved_files_of_both_formats_load(tta, tmp_path):
+    seeds = json.loads(json.dumps({"1": {"grpo": arm(PLATEAU)}}))  # as JSON holds it: the curve's pairs as lists
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(seeds))
+    new.write_text(json.dumps({"settings": {"budget": 240}, "seeds": seeds}))
+    assert tta.load_saved(old) == (None, {1: seeds["1"]})
+    assert tta.load_saved(new) == ({"budget": 240}, {1: seeds["1"]})

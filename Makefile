@@ -16,7 +16,7 @@ test: check $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Static checks, before the tests: ruff (lint and import order) and mypy (tools/typecheck.py: mypy over gpo as it
-# installs, cached in .mypy_cache; a few seconds once warm, a few minutes on a fresh checkout).
+# installs and over bench/, cached in .mypy_cache; a few seconds once warm, a few minutes on a fresh checkout).
 check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python tools/typecheck.py

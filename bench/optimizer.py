@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from harness import add_common, spread, table, write_section
 
-IMPLEMENTATIONS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused (default)": {"fused": True}}
+IMPLEMENTATIONS: dict[str, dict[str, Any]] = {  # AdamW keyword arguments
+    "loop": {"foreach": False}, "foreach": {"foreach": True}, "fused (default)": {"fused": True}}
 
 
 def main() -> None:

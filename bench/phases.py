@@ -108,8 +108,9 @@ def main() -> None:
     eng, batch = build(args)
     kept = {P: pruned(eng, batch, P) for P in RATES}
     modes = [True, False]  # prompt sharing on (default), off
-    seconds = {(on, P): [] for on in modes for P in RATES}
-    split = {(on, P): ([], []) for on in modes for P in RATES}
+    seconds: dict[tuple[bool, float], list[float]] = {(on, P): [] for on in modes for P in RATES}
+    split: dict[tuple[bool, float], tuple[list[float], list[float]]] = {  # (log-prob, update) seconds
+        (on, P): ([], []) for on in modes for P in RATES}
     for repeat in range(args.repeats):
         for on in (modes if repeat % 2 == 0 else modes[::-1]):
             set_sharing(eng, on)

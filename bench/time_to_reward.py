@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import Any
 
 from harness import add_common, engine, table, write_section
 
@@ -31,8 +32,9 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
     marks = [args.budget * f for f in args.eval_at]
     first = next(iter(arms.values()))
     start_acc = first.evaluate("t")["eval/t/accuracy"]  # every arm starts from the same weights
-    state = {name: {"seconds": 0.0, "steps": 0, "questions": 0, "rewards": [], "curve": [(0.0, start_acc)],
-                    "next_mark": 0} for name in arms}
+    state: dict[str, dict[str, Any]] = {  # per arm: its clock, counts and curves, of mixed types
+        name: {"seconds": 0.0, "steps": 0, "questions": 0, "rewards": [], "curve": [(0.0, start_acc)],
+               "next_mark": 0} for name in arms}
     while True:
         active = [n for n in arms if state[n]["seconds"] < args.budget and state[n]["steps"] < args.max_steps]
         if not active:

@@ -1,4 +1,5 @@
-"""Run mypy over gpo as it installs: `python tools/typecheck.py [mypy args]` (what `make test` runs).
+"""Run mypy over gpo as it installs, and over the benchmark scripts: `python tools/typecheck.py [mypy args]` (what
+`make test` runs, with no arguments; arguments name other targets instead).
 
 The component folders install under `gpo.` through setuptools' package-dir mapping (algorithms/ is gpo.algorithms,
 selection/ is gpo.selectors, ...), which mypy cannot follow. This links that layout under .mypy_cache/tree (mypy_path
@@ -56,12 +57,18 @@ def real_path(line: str, dirs: dict[str, str]) -> str:
     return line
 
 
+def default_targets() -> list[str]:
+    """gpo, and each script of bench/ as a module: they import their sibling as `harness`, so bench/ is on mypy_path
+    (pyproject.toml) and they are named as modules, not files."""
+    return ["-p", "gpo", *[arg for script in sorted((ROOT / "bench").glob("*.py")) for arg in ("-m", script.stem)]]
+
+
 def main(argv: list[str]) -> int:
     from mypy import api
 
     dirs = package_dirs()
     link_tree(dirs)
-    out, err, status = api.run(["--config-file", str(ROOT / "pyproject.toml"), *argv])
+    out, err, status = api.run(["--config-file", str(ROOT / "pyproject.toml"), *(argv or default_targets())])
     sys.stdout.write("".join(real_path(line, dirs) for line in out.splitlines(keepends=True)))
     sys.stderr.write(err)
     return status

@@ -53,6 +53,15 @@ def test_typecheck_reports_findings_at_the_repository_paths():
     assert typecheck.real_path("Found 1 error in 1 file", dirs) == "Found 1 error in 1 file"
 
 
+def test_typecheck_covers_gpo_and_the_benchmark_scripts():
+    targets = _typecheck_module().default_targets()
+    assert targets[:2] == ["-p", "gpo"]
+    modules = [name for flag, name in zip(targets[2::2], targets[3::2]) if flag == "-m"]
+    assert len(modules) == len(targets[2:]) // 2  # every later target is a module
+    assert {"harness", "time_to_accuracy", "steps", "generation"} <= set(modules)
+    assert "gpu_check" not in modules  # bench/gpu_check.sh is no Python
+
+
 def test_typecheck_links_the_installed_layout(tmp_path, monkeypatch):
     typecheck = _typecheck_module()
     monkeypatch.setattr(typecheck, "TREE", tmp_path / "tree")

@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,12 +137,35 @@ def grpo_levelled(results: dict[int, dict[str, dict]], questions: int) -> list[s
     return [line]
 
 
+def mark_resolution(results: dict[int, dict[str, dict]], first_mark: float) -> list[str]:
+    """The time ratio is read at the marks: an arm that had reached GRPO's final accuracy by its first mark reads at
+    least (first mark) / (GRPO's time to it), however early it got there. Where GRPO got there at its second mark,
+    that floor is about 0.5, the target itself, and the ratio cannot tell the arms that reached it first apart."""
+    floors: list[float] = []
+    early: dict[str, int] = {}  # per arm: seeds in which it was there at its first mark
+    for state in results.values():
+        grpo = state["grpo"]
+        target = grpo["curve"][-1][1]
+        grpo_time = _first_reached(grpo["curve"], target)
+        assert grpo_time is not None  # GRPO's own last mark is at its final accuracy
+        floors.append(first_mark / grpo_time)
+        for name, arm in state.items():
+            if name != "grpo" and len(arm["curve"]) > 1:
+                early[name] = early.get(name, 0) + (arm["curve"][1][1] >= target)
+    line = (f"The smallest time ratio these marks can show, the first mark ({first_mark:.0f} s) over GRPO's time to "
+            f"its final accuracy: {_spread(floors)}")
+    if any(early.values()):
+        line += ("; already there at their first mark: "
+                 + ", ".join(f"{name} in {n} of {len(results)} seeds" for name, n in early.items() if n))
+    return [line]
+
+
 def _first_reached(curve: list[tuple[float, float]], target: float) -> float | None:
     """Seconds of the first mark after the start at or above `target`; None if none is."""
     return next((t for t, a in curve[1:] if a >= target), None)
 
 
-def _spread(values: list[float | None], signed: bool = False) -> str:
+def _spread(values: Sequence[float | None], signed: bool = False) -> str:
     """Median (min-max) over seeds; a seed that never reached the target counts as infinitely slow."""
     shown = [float("inf") if v is None else v for v in values]
     fmt = "{:+.3f}" if signed else "{:.2f}"
@@ -241,7 +265,8 @@ def main() -> None:
                " ".join(f"{t:.0f}s:{a:.3f}" for t, a in s["curve"])]
               for seed, state in results.items() for name, s in state.items()]
     body += "\n\n" + table(["seed", "arm", "steps", "passes over the pool", "held-out accuracy (time:acc)"], curves)
-    notes = verdict(summary) + grpo_levelled(results, args.eval_limit) + unseen_history(results, args.pool)
+    notes = (verdict(summary) + grpo_levelled(results, args.eval_limit)
+             + mark_resolution(results, args.budget * min(args.eval_at)) + unseen_history(results, args.pool))
     body += "\n\n" + "\n".join(f"- {v}" for v in notes)
     print(body)
     note = (f"\n\nSizes: {args.model}, two-digit arith from a pool of {args.pool} train questions, B={args.questions}, "

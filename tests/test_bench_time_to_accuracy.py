@@ -82,6 +82,16 @@ def test_an_arm_that_never_reaches_the_target_misses_it(tta):
     assert line.endswith("target MISSED")
 
 
+def test_the_first_mark_bounds_the_time_ratio_it_can_show(tta):
+    # GRPO first reaches its final 0.65 at 150 s; with the first mark at 50 s no arm can read below 50 / 150 = 0.33.
+    # The fast arm is at 0.7 already at its first mark; the slow one is not.
+    fast = arm([(0, 0.0), (60, 0.7), (180, 0.75)])
+    slow = arm([(0, 0.0), (60, 0.3), (180, 0.7)])
+    (line,) = tta.mark_resolution({1: {"grpo": arm(PLATEAU), "screen": fast, "cppo": slow}}, first_mark=50.0)
+    assert "(50 s) over GRPO's time to its final accuracy: 0.33;" in line
+    assert line.endswith("already there at their first mark: screen in 1 of 1 seeds")
+
+
 def test_saved_files_of_both_formats_load(tta, tmp_path):
     seeds = json.loads(json.dumps({"1": {"grpo": arm(PLATEAU)}}))  # as JSON holds it: the curve's pairs as lists
     old, new = tmp_path / "old.json", tmp_path / "new.json"

@@ -89,9 +89,8 @@ def summarise(results: dict[int, dict[str, dict]], arms: list[str]) -> tuple[lis
         times, finals, per_row, means = [], [], [], []
         for state in results.values():
             grpo, arm = state["grpo"], state[name]
-            target = grpo["curve"][-1][1]
-            reached, grpo_time = _first_reached(arm["curve"], target), _first_reached(grpo["curve"], target)
-            assert grpo_time is not None  # GRPO's own last mark is at its final accuracy
+            target, grpo_time = _grpo_final(grpo)
+            reached = _first_reached(arm["curve"], target)
             times.append(None if reached is None else reached / grpo_time)
             finals.append(arm["curve"][-1][1] - target)
             means.append(_mean_accuracy(arm["curve"]) - _mean_accuracy(grpo["curve"]))
@@ -144,10 +143,7 @@ def mark_resolution(results: dict[int, dict[str, dict]], first_mark: float) -> l
     floors: list[float] = []
     early: dict[str, int] = {}  # per arm: seeds in which it was there at its first mark
     for state in results.values():
-        grpo = state["grpo"]
-        target = grpo["curve"][-1][1]
-        grpo_time = _first_reached(grpo["curve"], target)
-        assert grpo_time is not None  # GRPO's own last mark is at its final accuracy
+        target, grpo_time = _grpo_final(state["grpo"])
         floors.append(first_mark / grpo_time)
         for name, arm in state.items():
             if name != "grpo" and len(arm["curve"]) > 1:
@@ -158,6 +154,15 @@ def mark_resolution(results: dict[int, dict[str, dict]], first_mark: float) -> l
         line += ("; already there at their first mark: "
                  + ", ".join(f"{name} in {n} of {len(results)} seeds" for name, n in early.items() if n))
     return [line]
+
+
+def _grpo_final(grpo: dict[str, Any]) -> tuple[float, float]:
+    """GRPO's final held-out accuracy, the target every arm is timed to, and GRPO's own time to it: its first mark at
+    or above it (a GRPO run that peaked and fell back got there before its end)."""
+    target = grpo["curve"][-1][1]
+    seconds = _first_reached(grpo["curve"], target)
+    assert seconds is not None  # GRPO's own last mark is at its final accuracy
+    return target, seconds
 
 
 def _first_reached(curve: list[tuple[float, float]], target: float) -> float | None:

@@ -38,13 +38,18 @@ def engine(*overrides: str):
     return Engine(compose(["tracker=none", f"output_dir={out}", "eval.before_and_after=false", *overrides]))
 
 
+def set_lr(eng, lr: float) -> None:
+    """The learning rate of a built engine's next steps, on the optimizer and on the schedule's base rates (the
+    schedule multiplies those each step, so setting the optimizer's alone would last one step)."""
+    eng.scheduler.base_lrs = [lr for _ in eng.scheduler.base_lrs]
+    for group in eng.optimizer.param_groups:
+        group["lr"] = lr
+
+
 def freeze_weights(eng) -> None:
     """Learning rate 0 on a built engine: every step still does all its work (gradients, an AdamW update) but the
-    weights stay put. A run config refuses optim.lr=0 (a user's run would train nothing), so benchmarks set it
-    here, on the optimizer and the schedule's base rates (the schedule multiplies those each step)."""
-    eng.scheduler.base_lrs = [0.0 for _ in eng.scheduler.base_lrs]
-    for group in eng.optimizer.param_groups:
-        group["lr"] = 0.0
+    weights stay put. A run config refuses optim.lr=0 (a user's run would train nothing), so benchmarks set it here."""
+    set_lr(eng, 0.0)
 
 
 def add_common(parser) -> None:

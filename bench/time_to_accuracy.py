@@ -5,7 +5,12 @@ greso+cppo, mopps+cppo and screen+dapo, on two-digit arith from a fixed pool (ta
 back and the history-based selectors see them again. All arms of one seed live in one process and take training
 steps in turn (the arm with the least training time so far goes next), so load from other jobs hits them alike; each
 arm stops when its own summed step time reaches the budget. Held-out greedy accuracy (validation split) is measured
-at fixed fractions of the budget, outside the budgeted time.
+at fixed fractions of the budget, outside the budgeted time, packed early, where most arms learn the answer format.
+
+The learning rate follows a cosine over each arm's own budget by default (--schedule): at a constant rate GRPO here
+peaks and falls back (lr 2e-5, 480 s: 0.74 at 196 s, 0.46 at the end), so "GRPO's final accuracy" was the low point
+after its fall. Annealed by time, every arm ends at a settled point of the same schedule, and an arm that takes
+faster steps gets more of them, not a different schedule.
 
 Reported per arm: time to GRPO's final held-out accuracy (median over seeds, min-max), final accuracy, and
 generated tokens per useful trained row (a kept row with non-zero advantage; screened-out rollouts count as
@@ -13,7 +18,7 @@ generated). Targets (issue 18): the best composed arm reaches GRPO's final accur
 the median over seeds, ends no lower, and generates at most 0.5x GRPO's tokens per useful row. A missed target is
 printed as missed, with its numbers.
 
-    python bench/time_to_accuracy.py --budget 900 --seeds 1 2 3
+    python bench/time_to_accuracy.py --budget 240 --lr 4e-5 --seeds 1 2 3
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import add_common, engine, table, write_section
+from harness import add_common, engine, set_lr, table, write_section
 
 CPPO = ["pruner=topk", "pruner.rate=0.75", "allocator=dynamic"]
 DAPO = ["algo=dapo", "pruner=none", "allocator=static", "allocator.max_rounds=3"]
@@ -42,6 +47,15 @@ ARMS = {
     "screen+dapo": ["selector=screen", *DAPO],
 }
 COMPOSED = ("screen+cppo", "greso+cppo", "mopps+cppo", "screen+dapo")
+PRUNED = 0.75  # CPPO's pruner.rate above: a CPPO arm trains a quarter of the rows it generates
+
+
+def lr_at(seconds: float, budget: float, peak: float, schedule: str) -> float:
+    """The learning rate of a step that starts `seconds` into an arm's budget: constant, or a cosine from `peak`
+    down to 0 at the end of the budget (by time, not by step: the arms take different numbers of steps)."""
+    if schedule == "constant":
+        return peak
+    return peak * 0.5 * (1 + math.cos(math.pi * min(seconds / budget, 1.0)))
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
@@ -54,7 +68,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
     marks = [args.budget * f for f in args.eval_at]
     start_acc = next(iter(arms.values())).evaluate("t")["eval/t/accuracy"]  # every arm starts from these weights
     state: dict[str, dict[str, Any]] = {  # JSON-shaped, as --save writes it
-        name: {"seconds": 0.0, "steps": 0, "tokens": 0.0, "useful": 0.0, "considered": 0.0,
+        name: {"seconds": 0.0, "steps": 0, "tokens": 0.0, "useful": 0.0, "considered": 0.0, "completions": 0.0,
                "curve": [(0.0, start_acc)], "next_mark": 0} for name in arms}
     while True:
         active = [n for n in arms if state[n]["seconds"] < args.budget and state[n]["steps"] < args.max_steps]
@@ -62,13 +76,14 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
             break
         name = min(active, key=lambda n: state[n]["seconds"])
         s, eng = state[name], arms[name]
+        set_lr(eng, lr_at(s["seconds"], args.budget, args.lr, args.schedule))
         metrics = eng.step()
         s["seconds"] += metrics["time/step"]
         s["steps"] += 1
         s["tokens"] += metrics["tokens/generated"]
         s["considered"] += metrics.get("select/considered", 0.0)
-        ratio = metrics.get("tokens/generated_per_useful_row")
-        s["useful"] += metrics["tokens/generated"] / ratio if ratio else 0.0
+        s["completions"] += metrics.get("select/completions", 0.0)
+        s["useful"] += metrics.get("select/useful_rows", 0.0)
         while s["next_mark"] < len(marks) and s["seconds"] >= marks[s["next_mark"]]:
             s["curve"].append((s["seconds"], eng.evaluate("t")["eval/t/accuracy"]))
             s["next_mark"] += 1
@@ -195,6 +210,23 @@ def verdict(summary: dict[str, dict]) -> list[str]:
     return lines
 
 
+def per_row_floor(results: dict[int, dict[str, dict]], questions: int, group_size: int = 8) -> list[str]:
+    """No arm generates fewer than one completion per useful row, and a CPPO arm, which trains a quarter of what it
+    generates, fewer than 1 / (1 - P) = 4; GRPO generates 1 / (its useful share). So in completions an arm's ratio to
+    GRPO is at least GRPO's useful share (4x it for CPPO arms), and the 0.5x target is out of reach wherever GRPO
+    wastes less than half its rows. (Tokens follow completions where the arms' completion lengths match.)"""
+    shares = []
+    for state in results.values():
+        grpo = state["grpo"]  # a static GRPO step generates B x G completions (files saved before "completions")
+        generated = grpo.get("completions") or grpo["steps"] * questions * group_size
+        shares.append(grpo["useful"] / generated)
+    text, cppo_floor = ", ".join(f"{s:.2f}" for s in shares), 1 / (1 - PRUNED)
+    return [f"GRPO trained on a row with non-zero advantage in {text} of the completions it generated (by seed): "
+            f"the smallest tokens-per-useful-row ratio an arm can reach is about that share, and {cppo_floor:.0f}x "
+            f"it for a CPPO arm at P = {PRUNED}, so the 0.5x target needs GRPO to waste more than half its rows "
+            f"({'it did in no seed' if min(shares) >= 0.5 else 'it did in some seeds'})"]
+
+
 def unseen_history(results: dict[int, dict[str, dict]], pool: int) -> list[str]:
     """A history-based selector (greso, mopps) decides from a question's past rollouts: in an arm that drew no more
     questions than the pool holds, no question came back, and the selector had nothing to go on."""
@@ -212,7 +244,10 @@ def settings(args: argparse.Namespace) -> dict:
     """What a saved seed's curves depend on besides its seed: seeds saved under other settings must not be mixed."""
     keys = ("model", "budget", "arms", "pool", "questions", "max_new", "lr", "eval_limit", "eval_at", "max_steps",
             "set")
-    return {k: getattr(args, k) for k in keys}
+    saved = {k: getattr(args, k) for k in keys}
+    if args.schedule != "constant":  # files saved before --schedule ran at a constant rate and carry no such key
+        saved["schedule"] = args.schedule
+    return saved
 
 
 def load_saved(path: Path) -> tuple[dict | None, dict[int, dict[str, dict]]]:
@@ -225,17 +260,20 @@ def load_saved(path: Path) -> tuple[dict | None, dict[int, dict[str, dict]]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--budget", type=float, default=900, help="training seconds per arm (summed step time)")
+    p.add_argument("--budget", type=float, default=240, help="training seconds per arm (summed step time)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--pool", type=int, default=64, help="task.train_size: the fixed pool of training questions; "
                    "small enough that questions come back within the budget, or greso and mopps have no history")
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--max-new", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--eval-limit", type=int, default=64)
-    p.add_argument("--eval-at", type=float, nargs="+", default=[0.2, 0.4, 0.6, 0.8, 1.0],
-                   help="fractions of the budget")
+    p.add_argument("--lr", type=float, default=4e-5, help="the peak learning rate")
+    p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
+                   help="cosine: from --lr down to 0 over each arm's own budget (by time)")
+    p.add_argument("--eval-limit", type=int, default=50)
+    p.add_argument("--eval-at", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0],
+                   help="fractions of the budget; early ones resolve time ratios below 0.5, and the levelled-off check "
+                   "needs three or more in the second half")
     p.add_argument("--max-steps", type=int, default=10_000)
     p.add_argument("--save", type=Path, help="write every finished seed's curves here as JSON, so a long run that "
                    "dies later keeps what it measured; run again with the same file and settings, and the seeds it "
@@ -271,15 +309,18 @@ def main() -> None:
               for seed, state in results.items() for name, s in state.items()]
     body += "\n\n" + table(["seed", "arm", "steps", "passes over the pool", "held-out accuracy (time:acc)"], curves)
     notes = (verdict(summary) + grpo_levelled(results, args.eval_limit)
-             + mark_resolution(results, args.budget * min(args.eval_at)) + unseen_history(results, args.pool))
+             + mark_resolution(results, args.budget * min(args.eval_at)) + per_row_floor(results, args.questions)
+             + unseen_history(results, args.pool))
     body += "\n\n" + "\n".join(f"- {v}" for v in notes)
     print(body)
+    schedule = "constant" if args.schedule == "constant" else "peak, cosine to 0 over each arm's budget"
     note = (f"\n\nSizes: {args.model}, two-digit arith from a pool of {args.pool} train questions, B={args.questions}, "
-            f"G=8, at most {args.max_new} new tokens, lr {args.lr} constant, budget {args.budget:.0f} s of training "
+            f"G=8, at most {args.max_new} new tokens, lr {args.lr} {schedule}, budget {args.budget:.0f} s of training "
             f"per arm, seeds {args.seeds}; held-out accuracy is greedy on the first {args.eval_limit} validation "
             f"questions at {args.eval_at} of the budget (an arm is seen to reach the target only at those marks).")
     write_section("time_to_accuracy", "Time to accuracy: selection before generation composed with CPPO",
-                  body + note, args, variant=f"pool {args.pool}, budget {args.budget:.0f} s")
+                  body + note, args, variant=f"pool {args.pool}, budget {args.budget:.0f} s"
+                  + ("" if args.schedule == "constant" else f", lr {args.schedule}"))
 
 
 if __name__ == "__main__":

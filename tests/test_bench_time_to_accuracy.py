@@ -99,3 +99,36 @@ def test_saved_files_of_both_formats_load(tta, tmp_path):
     new.write_text(json.dumps({"settings": {"budget": 240}, "seeds": seeds}))
     assert tta.load_saved(old) == (None, {1: seeds["1"]})
     assert tta.load_saved(new) == ({"budget": 240}, {1: seeds["1"]})
+
+
+def test_the_cosine_learning_rate_falls_by_time_from_the_peak_to_zero(tta):
+    # 0.5 * (1 + cos(pi * t / budget)): 1 at the start, 1/2 at mid-budget, (1 + cos(pi/4)) / 2 = 0.8536 a quarter in,
+    # 0 at the end and after it (the step that crosses the end)
+    assert tta.lr_at(0.0, 240, 4e-5, "cosine") == pytest.approx(4e-5)
+    assert tta.lr_at(60.0, 240, 4e-5, "cosine") == pytest.approx(4e-5 * 0.853553)
+    assert tta.lr_at(120.0, 240, 4e-5, "cosine") == pytest.approx(2e-5)
+    assert tta.lr_at(240.0, 240, 4e-5, "cosine") == pytest.approx(0.0, abs=1e-20)
+    assert tta.lr_at(250.0, 240, 4e-5, "cosine") == pytest.approx(0.0, abs=1e-20)
+    assert tta.lr_at(200.0, 240, 4e-5, "constant") == 4e-5
+
+
+def test_the_per_row_floor_is_grpos_useful_share(tta):
+    # seed 1: 832 useful rows of 79 steps x 2 questions x 8 = 1264 completions (a file saved before "completions"):
+    # 0.66; seed 2: 400 of 1000 counted completions: 0.40, so the target is within reach there
+    grpo_1 = {**arm(PLATEAU, useful=832.0), "steps": 79}
+    grpo_2 = {**arm(PLATEAU, useful=400.0), "steps": 70, "completions": 1000.0}
+    (line,) = tta.per_row_floor({1: {"grpo": grpo_1}}, questions=2)
+    assert "in 0.66 of the completions" in line and "4x it for a CPPO arm" in line
+    assert line.endswith("(it did in no seed)")
+    (line,) = tta.per_row_floor({1: {"grpo": grpo_1}, 2: {"grpo": grpo_2}}, questions=2)
+    assert "in 0.66, 0.40 of the completions" in line and line.endswith("(it did in some seeds)")
+
+
+def test_a_constant_rate_run_keeps_the_settings_its_files_were_saved_with(tta):
+    # files saved before --schedule ran at a constant rate and carry no "schedule" key; they still resume
+    args = type("Args", (), {"model": "m", "budget": 240.0, "arms": ["grpo"], "pool": 64, "questions": 2,
+                             "max_new": 32, "lr": 2e-5, "eval_limit": 50, "eval_at": [1.0], "max_steps": 10,
+                             "set": [], "schedule": "constant"})()
+    assert "schedule" not in tta.settings(args)
+    args.schedule = "cosine"
+    assert tta.settings(args)["schedule"] == "cosine"

@@ -18,12 +18,13 @@ generated). Targets (issue 18): the best composed arm reaches GRPO's final accur
 the median over seeds, ends no lower, and generates at most 0.5x GRPO's tokens per useful row. A missed target is
 printed as missed, with its numbers.
 
-    python bench/time_to_accuracy.py --budget 240 --lr 4e-5 --seeds 1 2 3
+    python bench/time_to_accuracy.py --budget 480 --lr 2e-5 --seeds 1 2 3 --save run.json
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import statistics
@@ -65,7 +66,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
               f"train.max_completion_length={args.max_new}", f"optim.lr={args.lr}", "optim.schedule=constant",
               "optim.warmup_ratio=0", f"eval.limit={args.eval_limit}", f"eval.max_new_tokens={args.max_new}", *args.set]
     arms = {name: engine(*common, *ARMS[name]) for name in args.arms}
-    marks = [args.budget * f for f in args.eval_at]
+    marks = sorted(args.budget * f for f in args.eval_at)
     start_acc = next(iter(arms.values())).evaluate("t")["eval/t/accuracy"]  # every arm starts from these weights
     state: dict[str, dict[str, Any]] = {  # JSON-shaped, as --save writes it
         name: {"seconds": 0.0, "steps": 0, "tokens": 0.0, "useful": 0.0, "considered": 0.0, "completions": 0.0,
@@ -84,9 +85,10 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
         s["considered"] += metrics.get("select/considered", 0.0)
         s["completions"] += metrics.get("select/completions", 0.0)
         s["useful"] += metrics.get("select/useful_rows", 0.0)
-        while s["next_mark"] < len(marks) and s["seconds"] >= marks[s["next_mark"]]:
+        crossed = bisect.bisect_right(marks, s["seconds"])  # marks at or before the time now
+        if crossed > s["next_mark"]:  # once however many marks this step passed: the same weights, the same point
             s["curve"].append((s["seconds"], eng.evaluate("t")["eval/t/accuracy"]))
-            s["next_mark"] += 1
+            s["next_mark"] = crossed
         print(f"seed {seed} {name}: {s['seconds']:.0f}s step {s['steps']} reward {metrics['reward/mean']:.3f}",
               flush=True)
     for name, s in state.items():  # an arm stopped by max_steps before its last mark is evaluated at its end
@@ -267,7 +269,7 @@ def main() -> None:
                    "small enough that questions come back within the budget, or greso and mopps have no history")
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--max-new", type=int, default=32)
-    p.add_argument("--lr", type=float, default=4e-5, help="the peak learning rate")
+    p.add_argument("--lr", type=float, default=2e-5, help="the peak learning rate")
     p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
                    help="cosine: from --lr down to 0 over each arm's own budget (by time)")
     p.add_argument("--eval-limit", type=int, default=50)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -132,3 +133,39 @@ def test_a_constant_rate_run_keeps_the_settings_its_files_were_saved_with(tta):
     assert "schedule" not in tta.settings(args)
     args.schedule = "cosine"
     assert tta.settings(args)["schedule"] == "cosine"
+
+
+class FakeEngine:
+    """Steps of a fixed length, an accuracy that counts its evaluations, and the optimizer surface set_lr writes."""
+
+    def __init__(self, step_seconds):
+        self.step_seconds = step_seconds
+        self.scheduler = SimpleNamespace(base_lrs=[0.0])
+        self.optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
+        self.lrs, self.evaluations = [], 0
+
+    def step(self):
+        self.lrs.append(self.optimizer.param_groups[0]["lr"])
+        return {"time/step": self.step_seconds, "tokens/generated": 100.0, "reward/mean": 0.5,
+                "select/completions": 16.0, "select/useful_rows": 8.0}
+
+    def evaluate(self, name):
+        self.evaluations += 1
+        return {f"eval/{name}/accuracy": self.evaluations / 10}
+
+
+def test_a_step_that_passes_several_marks_is_evaluated_once_and_the_rate_anneals_by_time(tta, monkeypatch):
+    # 50 s steps, budget 240 s, marks at 12, 24, 48, 120 and 240 s: the first step (to 50 s) passes three marks and
+    # is evaluated once, the third (150 s) passes 120 s, the fifth (250 s) the end; the weights were the same at
+    # the three marks of the first step, so three evaluations would have put three equal points in the
+    # levelled-off regression. Each step runs at the cosine rate of the time it starts: 0, 50, 100, 150, 200 s.
+    fake = FakeEngine(step_seconds=50.0)
+    monkeypatch.setattr(tta, "engine", lambda *overrides: fake)
+    args = SimpleNamespace(model="m", pool=64, max_steps=100, questions=2, max_new=32, lr=4e-5, eval_limit=50, set=[],
+                           arms=["grpo"], budget=240.0, eval_at=[0.05, 0.1, 0.2, 0.5, 1.0], schedule="cosine")
+    state = tta.run_seed(args, seed=1)["grpo"]
+    assert state["curve"] == [(0.0, 0.1), (50.0, 0.2), (150.0, 0.3), (250.0, 0.4)]
+    assert (state["steps"], state["seconds"], state["completions"], state["useful"]) == (5, 250.0, 80.0, 40.0)
+    # 4e-5 * (1 + cos(pi * t / 240)) / 2: cos(pi * 50 / 240) = 0.793353, cos(pi * 100 / 240) = 0.258819
+    assert fake.lrs[:3] == [pytest.approx(4e-5), pytest.approx(3.586707e-5), pytest.approx(2.517638e-5)]
+    assert fake.lrs == sorted(fake.lrs, reverse=True) and fake.lrs[-1] > 0

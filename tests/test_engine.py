@@ -132,7 +132,10 @@ def test_shared_prompt_steps_train_like_full_passes(tiny_model_path, tmp_path):
     """Two GRPO steps with mu=2 (old-policy pass), beta>0 (reference pass): the same losses, gradients and weights.
 
     Step by step, since AdamW divides by sqrt(v): where v is tiny, rounding-level gradient differences become
-    visible update differences, and a second step on those weights amplifies them further (2e-5 seen after two).
+    visible update differences, and a second step on those weights amplifies them further. How far depends on the
+    CPU's kernels: 2e-5 after two steps on one machine, 2.7e-5 already after the first on another (AMD EPYC,
+    2026-12-03). The bound is 1% of one AdamW update (lr 1e-2): a real difference in the shared path (a wrong prompt
+    row, a missing mask) moves weights by the order of lr itself, and shows in the losses first.
     """
     from gpo.engine import Engine
 
@@ -147,7 +150,7 @@ def test_shared_prompt_steps_train_like_full_passes(tiny_model_path, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (step, key)
         gap = max((x.detach() - y.detach()).abs().max().item()
                   for x, y in zip(shared.policy.parameters(), full.policy.parameters()))
-        assert gap < (1e-5 if step == 0 else 1e-4), (step, gap)
+        assert gap < 1e-4, (step, gap)
     moved = max((p.detach() - s).abs().max().item() for p, s in zip(shared.policy.parameters(), start))
     assert moved > 1e-3
     assert a["kl/mean"] > 0  # the reference pass ran and the policy has moved away from it

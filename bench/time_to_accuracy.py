@@ -34,7 +34,8 @@ from typing import Any
 
 from harness import add_common, engine, set_lr, table, write_section
 
-CPPO = ["pruner=topk", "pruner.rate=0.75", "allocator=dynamic"]
+PRUNED = 0.75  # CPPO's pruner.rate: a CPPO arm trains a quarter of the rows it generates
+CPPO = ["pruner=topk", f"pruner.rate={PRUNED}", "allocator=dynamic"]
 DAPO = ["algo=dapo", "pruner=none", "allocator=static", "allocator.max_rounds=3"]
 ARMS = {
     "grpo": ["pruner=none", "allocator=static"],
@@ -48,7 +49,6 @@ ARMS = {
     "screen+dapo": ["selector=screen", *DAPO],
 }
 COMPOSED = ("screen+cppo", "greso+cppo", "mopps+cppo", "screen+dapo")
-PRUNED = 0.75  # CPPO's pruner.rate above: a CPPO arm trains a quarter of the rows it generates
 
 
 def lr_at(seconds: float, budget: float, peak: float, schedule: str) -> float:

@@ -127,9 +127,8 @@ def test_the_per_row_floor_is_grpos_useful_share(tta):
 
 def test_a_constant_rate_run_keeps_the_settings_its_files_were_saved_with(tta):
     # files saved before --schedule ran at a constant rate and carry no "schedule" key; they still resume
-    args = type("Args", (), {"model": "m", "budget": 240.0, "arms": ["grpo"], "pool": 64, "questions": 2,
-                             "max_new": 32, "lr": 2e-5, "eval_limit": 50, "eval_at": [1.0], "max_steps": 10,
-                             "set": [], "schedule": "constant"})()
+    args = SimpleNamespace(model="m", budget=240.0, arms=["grpo"], pool=64, questions=2, max_new=32, lr=2e-5,
+                           eval_limit=50, eval_at=[1.0], max_steps=10, set=[], schedule="constant")
     assert "schedule" not in tta.settings(args)
     args.schedule = "cosine"
     assert tta.settings(args)["schedule"] == "cosine"

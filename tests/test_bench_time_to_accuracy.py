@@ -80,6 +80,7 @@ def test_an_arm_that_never_reaches_the_target_misses_it(tta):
     assert summary["screen+cppo"]["times"] == [None]
     assert tta._spread(summary["screen+cppo"]["times"]) == "not reached"
     (line,) = tta.verdict(summary)
+    assert line.startswith("screen+cppo: time not reached (target <= 0.5)")
     assert line.endswith("target MISSED")
 
 

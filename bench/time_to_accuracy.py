@@ -89,8 +89,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, dict]:
         if crossed > s["next_mark"]:  # once however many marks this step passed: the same weights, the same point
             s["curve"].append((s["seconds"], eng.evaluate("t")["eval/t/accuracy"]))
             s["next_mark"] = crossed
-        print(f"seed {seed} {name}: {s['seconds']:.0f}s step {s['steps']} reward {metrics['reward/mean']:.3f}",
-              flush=True)
+        print(f"seed {seed} {name}: {s['seconds']:.0f}s step {s['steps']} reward {metrics['reward/mean']:.3f} "
+              f"truncated {metrics.get('completion/truncated_frac', 0.0):.2f}", flush=True)
     for name, s in state.items():  # an arm stopped by max_steps before its last mark is evaluated at its end
         if s["next_mark"] < len(marks):
             s["curve"].append((s["seconds"], arms[name].evaluate("t")["eval/t/accuracy"]))
@@ -260,6 +260,16 @@ def load_saved(path: Path) -> tuple[dict | None, dict[int, dict[str, dict]]]:
     return saved_settings, {int(seed): state for seed, state in seeds.items()}
 
 
+def curve_rows(results: dict[int, dict[str, dict]], pool: int) -> list[list]:
+    """One row per seed and arm. Tokens per completion is there because tokens per useful row counts tokens: an arm
+    whose completions drift to the length cap doubles that ratio without wasting a single row more."""
+    def per_completion(s: dict) -> str:
+        return f"{s['tokens'] / s['completions']:.1f}" if s.get("completions") else "-"  # older files lack counts
+    return [[seed, name, s["steps"], f"{s['considered'] / pool:.2f}" if "considered" in s else "-",
+             per_completion(s), " ".join(f"{t:.0f}s:{a:.3f}" for t, a in s["curve"])]
+            for seed, state in results.items() for name, s in state.items()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -307,10 +317,8 @@ def main() -> None:
     rows, summary = summarise(results, args.arms)
     body = table(["arm", "time to GRPO's final accuracy / GRPO's time to it", "final accuracy - GRPO's",
                   "generated tokens per useful row / GRPO's", "mean accuracy over the marks - GRPO's"], rows)
-    curves = [[seed, name, s["steps"], f"{s['considered'] / args.pool:.2f}" if "considered" in s else "-",
-               " ".join(f"{t:.0f}s:{a:.3f}" for t, a in s["curve"])]
-              for seed, state in results.items() for name, s in state.items()]
-    body += "\n\n" + table(["seed", "arm", "steps", "passes over the pool", "held-out accuracy (time:acc)"], curves)
+    body += "\n\n" + table(["seed", "arm", "steps", "passes over the pool", "generated tokens per completion",
+                            "held-out accuracy (time:acc)"], curve_rows(results, args.pool))
     notes = (verdict(summary) + grpo_levelled(results, args.eval_limit)
              + mark_resolution(results, args.budget * min(args.eval_at)) + per_row_floor(results, args.questions)
              + unseen_history(results, args.pool))

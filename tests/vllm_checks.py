@@ -1,4 +1,4 @@
-"""What tests/test_vllm.py runs in subprocesses: everything that starts vLLM, which sets process-wide state.
+"""What tests/integration/test_vllm.py runs in subprocesses: everything that starts vLLM, which sets process-wide state.
 
 `python tests/vllm_checks.py CHECK WORKDIR` writes WORKDIR/CHECK.json. `engine` runs in one process; `ddp` and
 `zero3` run on every rank of a 2-process `accelerate launch` (gloo on CPU) and write one JSON file per rank.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from gpo.rollout import generate
+from gpo.generation import generate
 from gpo.types import Sampling
 
 
@@ -63,8 +63,8 @@ def _engine_checks(workdir: Path) -> dict:
     from gpo.backends.hf import HFBackend, HFConfig
     from gpo.config import compose
     from gpo.engine import Engine
+    from gpo.generation import encode_prompts
     from gpo.logprobs import batch_logprobs
-    from gpo.rollout import encode_prompts
 
     model = build_tiny_model(workdir / "tiny")
     engine = Engine(compose([
@@ -143,7 +143,7 @@ def _rank_checks(workdir: Path, engine_name: str) -> dict:
     reaches every rank's engine (under ZeRO-3 from gathered shards), and a skipped sync shows on every rank."""
     from gpo.config import compose
     from gpo.engine import Engine
-    from gpo.rollout import encode_prompts
+    from gpo.generation import encode_prompts
 
     engine = Engine(compose([
         f"model={workdir / 'tiny'}", f"output_dir={workdir / 'runs'}", "backend=vllm", f"engine={engine_name}",

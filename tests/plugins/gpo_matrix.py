@@ -71,6 +71,7 @@ class ScriptedBackend:
     """Answers `Add X and 1.` prompts with `scripted_completion(X + 1, j)` for sample j, then EOS (test-only)."""
 
     generates_with_policy = False  # scripted text: no forward of the policy to gather for
+    per_prompt_counts = False  # one count per call
 
     def __init__(self, cfg: ScriptedConfig, model: Any = None, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import Tensor
-
 from gpo.registry import register
 from gpo.selectors.none import NoSelection
-from gpo.types import Grade, Rewards
+from gpo.types import Grade, QuestionRewards, Rewards
 
 
 @dataclass
@@ -62,5 +60,5 @@ class FirstOfRound(NoSelection):
     def first_phase(self, questions: list[int], group_size: int, seed: int) -> list[int]:
         return [self.cfg.n_screen] * len(questions)
 
-    def continue_after(self, questions: list[int], rewards: list[Tensor], group_size: int) -> list[bool]:
+    def continue_after(self, questions: list[int], rewards: list[QuestionRewards], group_size: int) -> list[bool]:
         return [i == 0 for i in range(len(questions))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpo.errors import UserError
 from gpo.registry import register
 from gpo.types import Grade, Rewards
 
@@ -40,3 +41,16 @@ class ToyTask:
 
     def close(self) -> None:
         pass  # holds nothing outside Python
+
+
+@dataclass(frozen=True)
+class RefusingConfig:
+    rate: float = 0.5  # takes the grid's pruner.rate like topk does
+
+
+@register("pruner", "refusing", config=RefusingConfig)
+class RefusingPruner:
+    """Refuses to be built: a run of a study that fails after composing, when its parts are built (test-only)."""
+
+    def __init__(self, cfg: RefusingConfig) -> None:
+        raise UserError("the refusing pruner refuses to be built (test-only)")

@@ -78,8 +78,10 @@ class BaseObjective:
     """GRPO's parts, from which every objective is built (see the module docstring for who replaces what).
 
     A subclass replaces a part by defining it: a method (`shape_rewards`, `group_filter`, `advantages`,
-    `loss_mask`, `surrogate`) or the `aggregate` attribute. Its `__init__`, if it has one, checks what involves
-    more than one field or a runtime fact (the composer has checked each field's range and choices already).
+    `loss_mask`, `surrogate`) or the `aggregate` attribute. Each config field's range and choices are its
+    annotation, checked by the composer; a rule between two fields of one config is that config's `__post_init__`
+    (raising UserError, which the composer reports as it is); the objective's `__init__` checks only what needs a
+    runtime fact (the run's max_completion_length).
     """
 
     # The policy's per-token term, (logp, old_logp, advantages, mask) -> ops.Surrogate. None: PPO's clipped ratio

@@ -68,7 +68,7 @@ class DAPO(BaseObjective):
                 )
             if self.buffer is None:
                 self.buffer = max(1, round(DEFAULT_BUFFER_SHARE * max_completion_length))
-            if not 0 < self.buffer <= max_completion_length:
+            if self.buffer > max_completion_length:  # >= 1 is its annotation's (or the default's, max(1, ...))
                 raise UserError(
                     f"algo.overlong_buffer must be in 1..train.max_completion_length={max_completion_length}, "
                     f"got {self.buffer}."

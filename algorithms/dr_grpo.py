@@ -35,11 +35,10 @@ class DrGRPO(BaseObjective):
     def __init__(self, cfg: DrGRPOConfig, max_completion_length: int | None = None) -> None:
         super().__init__(cfg, max_completion_length)
         normaliser = cfg.loss_normalizer if cfg.loss_normalizer is not None else max_completion_length
-        if normaliser is None or normaliser < 1:
+        if normaliser is None:  # both are typed >= 1 where set; the engine always passes the length limit
             raise UserError(
-                "dr_grpo divides token sums by a constant: set algo.loss_normalizer >= 1, or let the engine pass "
-                f"train.max_completion_length (got loss_normalizer={cfg.loss_normalizer}, "
-                f"max_completion_length={max_completion_length})."
+                "dr_grpo divides token sums by a constant: set algo.loss_normalizer, or let the engine pass "
+                "train.max_completion_length (both are null)."
             )
         self.normaliser = normaliser
         self.aggregate = partial(ops.token_sum_norm, normaliser=normaliser)

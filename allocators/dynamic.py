@@ -6,13 +6,13 @@ generating G completions for each, so the kept completions fill the same B*G slo
 When group filtering (DAPO) or a data-dependent pruner (threshold) leaves slots empty, it draws more questions in
 further rounds, up to `max_rounds`.
 
-With a selector (selector=screen/greso/mopps) the engine also passes `pass_share`, the share of candidates the
-selector expects to reach a whole group (gpo.types.Selector.expected_pass_fraction), so a step draws
-ceil(B*G / (k * share)) candidates and the survivors still fill the B*G slots; what the estimate misses is
+With a selector (selector=screen/greso/mopps) the engine also passes `pass_rate`, the share of candidates the
+selector expects to reach a whole group (gpo.types.Selector.expected_pass_rate), so a step draws
+ceil(B*G / (k * pass_rate)) candidates and the survivors still fill the B*G slots; what the estimate misses is
 refilled within `max_rounds`, and selectors floor their estimate at 1/8, so a step never draws more than 8x.
-`rate`, when set, replaces the pruner's k only: the selector's share still applies.
+`rate`, when set, replaces the pruner's k only: the selector's pass rate still applies.
 
-What differs from the paper's code (reference sections 2 and 8): every count is an integer computed with ceil and
+What differs from the CPPO paper's released code (arXiv 2503.22342): every count is an integer computed with ceil and
 checked, and the group size stays G for any P (the reference built groups of int(G*(1-P)) * int(1/(1-P)), so
 G=16 with P=0.6 gave groups of 12); question counts are multiples of the world size; refills exist at all.
 """
@@ -49,10 +49,10 @@ class DynamicAllocator:
         self._step_open = False
 
     def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int,
-                    pass_share: float = 1.0) -> int:
+                    pass_rate: float = 1.0) -> int:
         check_layout(slots, group_size, world_size)
         self._finish_step()
-        k = self._yield(group_size, kept_per_group, pass_share)
+        k = self._yield(group_size, kept_per_group, pass_rate)
         if k is None and self.cfg.adapt and self.seen_kept > 0:
             k = self.seen_kept / self.seen_questions
         questions = math.ceil(slots / group_size) if k is None else math.ceil(slots / k)
@@ -60,13 +60,13 @@ class DynamicAllocator:
         return self.step.start(slots, whole_ranks(questions, world_size))
 
     def next_round(self, slots_left: int, rounds_done: int, group_size: int, kept_per_group: float | None,
-                   world_size: int, pass_share: float = 1.0) -> int:
+                   world_size: int, pass_rate: float = 1.0) -> int:
         # The step's yield is folded into the running totals at the next step (or checkpoint), not here: a round
         # still generating its second phase makes the engine ask again once its rows are known.
         self.step.add(slots_left, 0)
         if rounds_done >= self.cfg.max_rounds or slots_left <= 0:
             return 0
-        k = self._yield(group_size, kept_per_group, pass_share)
+        k = self._yield(group_size, kept_per_group, pass_rate)
         if k is None:  # no estimate: use what this step's rounds actually kept per question, or a full group
             yielded = (self.step.slots - slots_left) / self.step.questions
             k = yielded if yielded > 0 else float(group_size)
@@ -84,18 +84,18 @@ class DynamicAllocator:
         self.seen_questions = int(state["seen_questions"])
         self._step_open = False
 
-    def _yield(self, group_size: int, estimate: float | None, pass_share: float) -> float | None:
+    def _yield(self, group_size: int, estimate: float | None, pass_rate: float) -> float | None:
         """Rows expected per candidate drawn: kept per whole group (from `rate`, or the pruner's estimate) times
-        the selector's pass share; None without a kept estimate."""
-        if not 0 < pass_share <= 1:
-            raise UserError(f"dynamic allocator: the selector expects a pass share of {pass_share}; it must be in "
+        the selector's pass rate; None without a kept estimate."""
+        if not 0 < pass_rate <= 1:
+            raise UserError(f"dynamic allocator: the selector expects a pass rate of {pass_rate}; it must be in "
                             "(0, 1].")
         if self.cfg.rate is not None:
-            return kept_for_rate(group_size, rate=self.cfg.rate) * pass_share
+            return kept_for_rate(group_size, rate=self.cfg.rate) * pass_rate
         if estimate is not None and not 0 < estimate <= group_size:
             raise UserError(f"dynamic allocator: the pruner expects {estimate} kept per group of {group_size}; "
                             f"it must be in (0, {group_size}].")
-        return None if estimate is None else estimate * pass_share
+        return None if estimate is None else estimate * pass_rate
 
     def _finish_step(self) -> None:
         """Fold the last step's yield into the running totals once (kept may exceed slots: slots_left < 0)."""

@@ -77,7 +77,7 @@ class StaticAllocator:
         self.step = StepLedger()
 
     def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int,
-                    pass_share: float = 1.0) -> int:
+                    pass_rate: float = 1.0) -> int:
         check_layout(slots, group_size, world_size)
         questions = slots // group_size
         if questions * group_size != slots or questions % world_size:
@@ -88,7 +88,7 @@ class StaticAllocator:
         return self.step.start(slots, questions)
 
     def next_round(self, slots_left: int, rounds_done: int, group_size: int, kept_per_group: float | None,
-                   world_size: int, pass_share: float = 1.0) -> int:
+                   world_size: int, pass_rate: float = 1.0) -> int:
         more = rounds_done < self.cfg.max_rounds and slots_left > 0
         return self.step.add(slots_left, whole_ranks(math.ceil(slots_left / group_size), world_size) if more else 0)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpo import registry
 from gpo.run_config import RunConfig
 from gpo.types import Allocator, Backend, Objective, Pruner, Selector, Task, Tracker
 
@@ -42,12 +43,12 @@ def build(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable:
     from gpo.tracking import NullTracker
 
     # Model-free parts first: a setting only a constructor can check fails before any model loads.
-    objective = cfg.algo.build(max_completion_length=cfg.train.max_completion_length)
-    selector, pruner, allocator, task = (cfg.selector.build(), cfg.pruner.build(), cfg.allocator.build(),
-                                         cfg.task.build())
-    tracker = cfg.tracker.build(run_dir=str(run_dir)) if rank == 0 and run_dir is not None else NullTracker()
+    objective = registry.build(cfg.algo, max_completion_length=cfg.train.max_completion_length)
+    selector, pruner = registry.build(cfg.selector), registry.build(cfg.pruner)
+    allocator, task = registry.build(cfg.allocator), registry.build(cfg.task)
+    tracker = registry.build(cfg.tracker, run_dir=str(run_dir)) if rank == 0 and run_dir is not None else NullTracker()
     tokenizer = load_tokenizer(cfg.model)
     policy = load_policy(cfg.model, trainable=trainable)
     reference = load_policy(cfg.model, trainable=False) if trainable and objective.needs_ref_logprobs else None
-    backend = cfg.backend.build(model=policy, tokenizer=tokenizer)
+    backend = registry.build(cfg.backend, model=policy, tokenizer=tokenizer)
     return Components(objective, selector, pruner, allocator, task, tracker, tokenizer, policy, reference, backend)

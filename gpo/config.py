@@ -14,8 +14,6 @@ choice, before any model or dataset is touched. Defaults live in those dataclass
 from __future__ import annotations
 
 import dataclasses
-import enum
-import functools
 import sys
 import typing
 from collections.abc import Mapping, Sequence
@@ -28,7 +26,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from gpo import registry
 from gpo.errors import UserError, did_you_mean
 from gpo.run_config import (
-    COMPONENT_KINDS,
+    KINDS,
     SECTIONS,
     CheckpointConfig,
     Component,
@@ -42,19 +40,19 @@ from gpo.run_config import (
     as_dict,
     as_layer,
 )
+from gpo.schema import not_a_section, valid_keys_hint, validated
 
 __all__ = ["CheckpointConfig", "EngineConfig", "EvalConfig", "ModelConfig", "OptimConfig", "RunConfig",
            "StudyConfig", "TrainConfig", "as_layer", "choices", "compose", "split_args", "to_yaml", "validate",
            "validated"]
 
 CONFIG_ROOT = Path(str(files("gpo.configs")))
-COMPONENT_GROUPS = COMPONENT_KINDS
 PLAIN_GROUPS = ("model", "engine")
-GROUPS = COMPONENT_GROUPS + PLAIN_GROUPS + ("experiment",)
+GROUPS = KINDS + PLAIN_GROUPS + ("experiment",)
 AUTO_BACKEND = "auto"  # not a component: compose() replaces it by gpo.backends.pick_auto's choice
 STUDY_KEYS = ("grid", "baseline", "study")  # a study's own top-level keys; gpo.study takes them out before composing
 TOP_LEVEL = tuple(f.name for f in dataclasses.fields(RunConfig)
-                  if f.name not in SECTIONS and f.name not in COMPONENT_KINDS)
+                  if f.name not in SECTIONS and f.name not in KINDS)
 
 
 # --- command line ---------------------------------------------------------------------------------------------
@@ -138,46 +136,25 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
     raw = dict(_plain(raw))
     registry.load_builtins()
     registry.load_plugins(_as_list(raw.get("plugins")))
-    top = set(TOP_LEVEL) | set(SECTIONS) | set(COMPONENT_KINDS)
+    top = set(TOP_LEVEL) | set(SECTIONS) | set(KINDS)
     for key in raw:
         if key in STUDY_KEYS:
             raise UserError(f"`{key}` is read by `gpo study` (a grid of runs), not by a single run: run this "
                             "experiment or file with `gpo study`.")
         if key not in top:
-            raise UserError(f"unknown key `{key}`." + did_you_mean(str(key), top) + _valid_keys_hint(top))
+            raise UserError(f"unknown key `{key}`." + did_you_mean(str(key), top) + valid_keys_hint(top))
     values: dict[str, Any] = {}
-    for kind in COMPONENT_KINDS:
+    for kind in KINDS:
         values[kind] = _component(kind, raw.get(kind))
     for name, schema in SECTIONS.items():
         node = raw.get(name)
         if node is not None and not isinstance(node, Mapping):
-            raise UserError(_not_a_section(name, node, schema))
+            raise UserError(not_a_section(name, node, schema))
         values[name] = validated(node or {}, schema, name)
     cfg = validated({k: raw[k] for k in TOP_LEVEL if k in raw}, _TopLevel, "")
     cfg = RunConfig(**values, **{k: getattr(cfg, k) for k in TOP_LEVEL})
     _check_together(cfg)
     return cfg
-
-
-def validated(node: Mapping[str, Any], schema: type, path: str) -> Any:
-    """`node` as an instance of the dataclass `schema`: unknown keys, wrong types, choices and ranges are
-    UserErrors with the full key path (`path` is the section's own, e.g. "train" or "pruner")."""
-    node = _plain(node)
-    _check_keys(node, schema, path)
-    node = _over_defaults(_numbers_as_text(node, schema), schema)
-    from pydantic import ValidationError
-
-    try:
-        adapter = _adapter(schema)
-    except Exception:  # a plug-in annotation pydantic cannot read: the dataclass's own constructor decides
-        try:
-            return schema(**node)
-        except TypeError as exc:
-            raise UserError(f"`{path}`: {exc}.") from None
-    try:
-        return adapter.validate_python(node)
-    except ValidationError as exc:
-        raise UserError(_explain(exc.errors()[0], schema, path)) from None
 
 
 def component(kind: str, name: str, **values: Any) -> Component:
@@ -190,7 +167,7 @@ def choices(group: str) -> list[str]:
     """Names a group pick may take: its YAML files, plus registered components that ship none (plug-ins)."""
     folder = CONFIG_ROOT / group
     found = {p.stem for p in folder.glob("*.yaml")} if folder.is_dir() else set()
-    if group in COMPONENT_GROUPS:
+    if group in KINDS:
         found |= set(registry.names(group))
     if group == "backend":
         found.add(AUTO_BACKEND)
@@ -244,166 +221,36 @@ def _check_together(cfg: RunConfig) -> None:
         raise UserError("engine.offload needs DeepSpeed: set engine.deepspeed_stage=2 or 3 (engine=zero2 / zero3).")
     for name in E.tasks:  # scored at the end of the run: a typo must fail now, not after training
         registry.get("task", str(name))
+    from gpo.quota import kept_per_group
+    from gpo.schema import valid_run_name, valid_tracking_uri
 
-
-@functools.cache
-def _adapter(schema: type) -> Any:
-    from pydantic import TypeAdapter
-
-    return TypeAdapter(schema)
-
-
-def _explain(error: Mapping[str, Any], schema: type, path: str) -> str:
-    """One pydantic error as a sentence about the user's key."""
-    loc = [str(p) for p in error["loc"]]
-    key = _join(path, ".".join(loc))
-    value = error.get("input")
-    kind, ctx = error["type"], error.get("ctx") or {}
-    options = _choices_at(schema, loc)
-    if options is not None and kind in ("literal_error", "enum"):
-        shown = [str(o) for o in options]
-        return (f"`{key}` must be one of {', '.join(shown)}; got `{value}`." + did_you_mean(str(value), shown))
-    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-    if kind in bounds:
-        bound = next(iter(ctx.values()))
-        return f"`{key}` must be {bounds[kind]} {bound}, got {value!r}." + _range_hint(schema, loc)
-    if kind == "missing":
-        return f"`{key}` is required and has no default: set it (`{key}=...`)."
-    if kind == "value_error":  # a field's own validator (e.g. a directory that must exist) says what is wrong
-        return f"`{key}`: {str(ctx.get('error') or error['msg']).removeprefix('Value error, ')}"
-    expected = _type_name(schema, loc)
-    return f"`{key}` has the wrong type: expected {expected}, got {value!r}."
-
-
-def _range_hint(schema: type, loc: list[str]) -> str:
-    hint = _hint_at(schema, loc)
-    bounds = [m for m in getattr(hint, "__metadata__", ()) if type(m).__module__.startswith("annotated_types")]
-    if len(bounds) < 2:
-        return ""
-    text = {"Ge": ">=", "Gt": ">", "Le": "<=", "Lt": "<"}
-    # annotated_types bounds are slotted dataclasses (no __dict__): read their one field by name
-    parts = [f"{text.get(type(b).__name__, type(b).__name__)} {getattr(b, dataclasses.fields(b)[0].name)}"
-             for b in bounds]
-    return f" Valid: {' and '.join(parts)}."
-
-
-def _hint_at(schema: Any, loc: list[str]) -> Any:
-    """The annotation at a pydantic error location: field names in dataclasses, indices in tuples."""
-    hint = schema
-    for part in loc:
-        core = _core(hint)
-        if part.isdigit() and typing.get_origin(core) in (tuple, list):
-            args = [a for a in typing.get_args(core) if a is not Ellipsis]
-            hint = args[0] if len(args) == 1 else (args[int(part)] if int(part) < len(args) else None)
-        elif isinstance(core, type) and dataclasses.is_dataclass(core):
-            hint = _hints(core).get(part)
-        else:
-            return None
-    return hint
-
-
-def _core(hint: Any) -> Any:
-    """Annotated[X, ...] -> X; X | None -> X (the type a value of the field has when it is set)."""
-    options = [h for h in _flatten_hint(hint) if h is not type(None)]
-    return options[0] if len(options) == 1 else hint
-
-
-def _choices_at(schema: type, loc: list[str]) -> list[Any] | None:
-    hint = _hint_at(schema, loc)
-    for arg in _flatten_hint(hint):
-        if typing.get_origin(arg) is typing.Literal:
-            return list(typing.get_args(arg))
-        if isinstance(arg, type) and issubclass(arg, enum.Enum):
-            return [m.value for m in arg]
-    return None
-
-
-def _type_name(schema: type, loc: list[str]) -> str:
-    hint = _hint_at(schema, loc)
-    if hint is None:
-        return "a valid value"
-    return " | ".join(_type_text(h) for h in _flatten_hint(hint))
-
-
-def _type_text(hint: Any) -> str:
-    """How a user writes the type in YAML: sequences are lists (tuple[float, ...] and tuple[float, float] are
-    `list[float]`), bounds are left to the range message."""
-    if hint is type(None):
-        return "None"
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (tuple, list):
-        items = sorted({" | ".join(_type_text(h) for h in _flatten_hint(a)) for a in args if a is not Ellipsis})
-        return f"list[{' | '.join(items)}]" if items else "list"
-    if origin is typing.Literal:
-        return "one of " + ", ".join(map(str, args))
-    return getattr(hint, "__name__", str(hint))
-
-
-def _flatten_hint(hint: Any) -> list[Any]:
-    """Annotated[X, ...] -> [X]; X | None -> [X, NoneType]; anything else -> [hint]."""
-    if typing.get_origin(hint) is typing.Annotated:
-        return _flatten_hint(typing.get_args(hint)[0])
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return [h for arg in typing.get_args(hint) for h in _flatten_hint(arg)]
-    return [hint]
-
-
-@functools.cache
-def _hints(schema: type) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(schema, include_extras=True)
-    except Exception:  # an annotation that cannot be resolved: fall back to the fields' own (string) types
-        return {f.name: f.type for f in dataclasses.fields(schema)}
-
-
-def _numbers_as_text(node: Mapping[str, Any], schema: type) -> dict[str, Any]:
-    """`run_name=2024` or `eval.split=1` parse as numbers on the command line; a text field takes them as text."""
-    out = dict(node)
-    for key, value in node.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            options = _flatten_hint(_hints(schema).get(key))
-            if str in options and not ({int, float} & set(options)):
-                out[key] = str(value)
-    return out
-
-
-def _over_defaults(node: dict[str, Any], schema: type) -> dict[str, Any]:
-    """A nested section given in part (`task.train.path=...`) keeps the field's other defaults: the mapping is laid
-    over the field's default dataclass, as a YAML layer would be."""
-    out = dict(node)
-    for f in dataclasses.fields(schema):
-        value = node.get(f.name)
-        default = registry.field_default(f)
-        if isinstance(value, Mapping) and dataclasses.is_dataclass(default) and not isinstance(default, type):
-            out[f.name] = {**as_dict(default), **_over_defaults(dict(value), type(default))}
-    return out
-
-
-def _check_keys(node: Any, schema: type, path: str) -> None:
-    if not isinstance(node, Mapping):
-        return
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    for key in node:
-        full = _join(path, str(key))
-        if key not in fields:
-            valid = [_join(path, f) for f in fields]
-            raise UserError(f"unknown key `{full}`." + did_you_mean(full, valid) + _valid_keys_hint(valid))
-        sub = _dataclass_of(fields[key])
-        if sub is not None and node[key] is not None:
-            if not isinstance(node[key], Mapping):
-                raise UserError(_not_a_section(full, node[key], sub))
-            _check_keys(node[key], sub, full)
-
-
-def _not_a_section(full: str, value: Any, schema: type) -> str:
-    sub_keys = [_join(full, f.name) for f in dataclasses.fields(schema)]
-    return (f"`{full}` is a section, not a value (got {value!r}); set its keys instead, e.g. `{sub_keys[0]}=...`."
-            + _valid_keys_hint(sub_keys))
-
-
-def _dataclass_of(f: dataclasses.Field) -> type | None:
-    default = registry.field_default(f)
-    return type(default) if dataclasses.is_dataclass(default) and not isinstance(default, type) else None
+    G = cfg.train.group_size
+    n_screen = getattr(cfg.selector.config, "n_screen", None)  # screen's, or a plug-in's of the same meaning
+    if isinstance(n_screen, int) and n_screen >= G:
+        raise UserError(f"selector.n_screen={n_screen} is not smaller than train.group_size={G}: screening draws "
+                        f"n_screen of a group's G completions first, so it must be < {G} (lower selector.n_screen, "
+                        f"raise train.group_size, or use selector=none).")
+    P = cfg.pruner.config
+    if hasattr(P, "rate") and hasattr(P, "keep"):  # a quota pruner (topk, random): k per group must be in 1..G
+        try:
+            kept_per_group(G, rate=P.rate, keep=P.keep)
+        except UserError as exc:
+            raise UserError(f"`pruner.{'keep' if P.keep is not None else 'rate'}` with train.group_size={G}: "
+                            f"{exc}") from None
+    floor = getattr(P, "min_keep_per_group", None)
+    if isinstance(floor, int) and floor > G:
+        raise UserError(f"pruner.min_keep_per_group={floor} is more than train.group_size={G}: a group cannot keep "
+                        f"more rows than it has (use at most {G}).")
+    # Top-level text fields whose annotation would need a type from gpo.schema; checked here with its validators.
+    checks = [("run_name", cfg.run_name, valid_run_name)]
+    if cfg.tracker.name == "mlflow":
+        checks.append(("tracker.uri", getattr(cfg.tracker.config, "uri", None), valid_tracking_uri))
+    for key, value, check in checks:
+        if value is not None:
+            try:
+                check(str(value))
+            except ValueError as exc:
+                raise UserError(f"`{key}`: {exc}") from None
 
 
 def _as_node(layer: Mapping[str, Any], what: str) -> DictConfig:
@@ -418,14 +265,6 @@ def _as_node(layer: Mapping[str, Any], what: str) -> DictConfig:
 
 def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
-
-
-def _valid_keys_hint(valid: Any) -> str:
-    return f" Valid keys: {', '.join(sorted(valid))}."
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
 
 
 _said: set[str] = set()
@@ -457,11 +296,11 @@ def _group_file(group: str, name: str) -> Path:
 
 
 def _group_node(group: str, name: str) -> Any:
-    if group in COMPONENT_GROUPS and not (CONFIG_ROOT / group / f"{name}.yaml").is_file():
+    if group in KINDS and not (CONFIG_ROOT / group / f"{name}.yaml").is_file():
         registry.get(group, name)  # a plug-in without YAML is fine; an unknown name raises with the choices
         return {"name": name}
     node = _load_yaml(_group_file(group, name))
-    if group in COMPONENT_GROUPS:
+    if group in KINDS:
         node.setdefault("name", name)
     return node
 

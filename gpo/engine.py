@@ -1,8 +1,8 @@
 """The training engine: one algorithm-blind step, the run loop, evaluation, checkpoints and tracking.
 
-`Engine.step` follows DESIGN.md: rewards, group filter, advantages and pruning all happen before any log-prob
-forward pass, so the old-policy, reference and training passes run only on the kept completions. The engine
-only calls the component interfaces of gpo/types.py; it never names an algorithm, pruner, allocator or task.
+`Engine.step` reads top to bottom (docs/architecture.md, "The step"): the rollout yields finished whole groups, the
+engine prunes them, then runs the log-prob passes and the update on the kept rows only. It only calls the component
+interfaces of gpo/types.py; it never names an algorithm, pruner, allocator or task.
 """
 
 from __future__ import annotations
@@ -21,33 +21,18 @@ import torch
 from gpo import checkpoint
 from gpo.build import build
 from gpo.config import to_yaml
-from gpo.distributed import all_gather_batch, all_reduce_sum, from_rank_zero, peer_failures_explained, shard, world
+from gpo.distributed import all_reduce_sum, from_rank_zero, peer_failures_explained, shard, world
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
-from gpo.metrics import MetricSums, PhaseTimer, rollout_metrics
+from gpo.metrics import MetricSums, PhaseTimer
 from gpo.models import export_model
 from gpo.parallel import accumulating, build_accelerator, full_state_dict, gathered, prepare_policy, prepare_reference
-from gpo.rewards import score as score_completions
-from gpo.rollout import completion_tokens, decode_completions, encode_prompts, generate
-from gpo.rollout_phases import (
-    CONTINUATION_SEED,
-    Call,
-    Round,
-    RoundLedger,
-    generation_seed,
-    joined,
-    ledger,
-    phase_calls,
-    rank_share,
-    rewards_by_question,
-    split_call,
-    whole_groups,
-)
+from gpo.rollout import Rollout
 from gpo.run_config import RunConfig, as_dict
 from gpo.sampler import QuestionStream
-from gpo.step_math import kept_rows, score_groups, step_totals
+from gpo.step_math import kept_rows, step_totals
 from gpo.tracking import flatten
-from gpo.types import RolloutBatch, Sampling, StepTotals
+from gpo.types import RolloutBatch, StepTotals
 
 
 class Engine:
@@ -73,7 +58,6 @@ class Engine:
                                                                               P.backend)
         self.ref = None if P.reference is None else prepare_reference(
             self.accelerator, TokenLogprobs(P.reference, T.logprob_chunk_size, T.share_prompt))
-        self.sampling = Sampling(max_new_tokens=T.max_completion_length, temperature=T.temperature, top_p=T.top_p)
 
         opt = self.optim_cfg
         optimizer = torch.optim.AdamW(
@@ -87,39 +71,24 @@ class Engine:
         self.accelerator.register_for_checkpointing(self.scheduler)
 
         self.questions = QuestionStream(self.task.load("train"), cfg.seed)
+        self.rollout = Rollout(T, cfg.seed, self.task, cfg.task.name, self.tokenizer, self.backend, self.objective,
+                               self.selector, self.pruner, self.allocator, self.questions, self.accelerator,
+                               self.policy, self.rank, self.world_size)
         self.step_index = 0
         self.best_score: float | None = None
-        self._task_metrics: dict[str, float] = {}
 
     # ---------------------------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
-        """One training step (DESIGN.md, stages 1-11)."""
+        """One training step (docs/architecture.md, "The step"): rewards, group filter, advantages and pruning all
+        happen before any log-prob pass, so the old-policy, reference and training passes see only kept rows."""
         T, timer = self.train_cfg, PhaseTimer()
-        self._task_metrics = {}
-        slots = T.questions_per_step * T.group_size
-        kept_per_group, share = self.pruner.expected_kept_per_group(T.group_size), self._pass_share()
-        # 1 plan: how many questions this round; 8 refills come back here while slots stay empty
-        questions = self.allocator.first_round(slots, T.group_size, kept_per_group, self.world_size, pass_share=share)
-        seen, candidates, kept_parts, spent, drawn = [], [], [], RoundLedger(), 0
-        waiting: Round | None = None  # a round whose screened questions still need the rest of their groups
-        while questions > 0 or waiting is not None:
-            # 2-5 sample, select, generate, reward, filter; 6 advantages per whole group. The new round's first
-            # phase and the waiting round's second phase share the generation call(s).
-            new = self._draw(questions, drawn) if questions > 0 else None
-            drawn += new is not None
-            finished, waiting, round_spent = self._advance(waiting, new, timer)
-            spent = spent.add(round_spent)
-            for batch, group_keep in finished:
-                seen.append(batch)
-                # 7 prune the filter's groups: decided on the whole step's batch, identically on every rank
-                batch, keep = kept_rows(self.pruner, batch, group_keep, T.group_size, multiple_of=self.world_size)
-                candidates.append((batch, keep))
-                kept_parts.append(batch.select(keep))
-            # A waiting round's rows are counted by the pruner's estimate; the allocator is asked again once known.
-            slots_left = slots - sum(len(p) for p in kept_parts) - self._expected_rows(waiting, kept_per_group)
-            questions = self.allocator.next_round(slots_left, drawn, T.group_size, kept_per_group, self.world_size,
-                                                  pass_share=share)
-        kept = shard(RolloutBatch.concat(kept_parts, self.tokenizer.pad_token_id), self.rank, self.world_size)
+        # 1-6 plan the rounds; each finished round comes back as whole groups with advantages and the group filter
+        rollout = self.rollout.plan(self.step_index, timer)
+        for batch, group_keep in rollout:
+            # 7 prune: decided on the whole step's batch, identically on every rank
+            rollout.record(*kept_rows(self.pruner, batch, group_keep, T.group_size, multiple_of=self.world_size))
+        # 8 every rank trains its share of the kept rows
+        kept = shard(rollout.kept(), self.rank, self.world_size)
         # 9 old and reference log-probs, only when the objective needs them, only on kept rows
         with timer("logprobs"):
             self._fill_logprobs(kept)
@@ -129,102 +98,12 @@ class Engine:
         # 11 metrics of this step
         self.step_index += 1
         return {
-            **rollout_metrics(seen, candidates, spent, T.group_size, self.tokenizer.pad_token_id),
-            **self._task_metrics,
+            **rollout.metrics(),
             **update_metrics,
             **self.allocator.metrics(),
             **self.selector.metrics(),
             **timer.metrics(),
         }
-
-    # ---------------------------------------------------------------------------------------------------------
-    def _draw(self, n_questions: int, round_index: int) -> Round:
-        """The round's candidates (the same questions, in the same order, on every rank) and the selector's
-        first-phase counts for them."""
-        pool = self.questions.take_indices(n_questions)
-        seed = generation_seed(self.cfg.seed, self.step_index, round_index)
-        examples = [self.questions.examples[i] for i in pool]
-        return Round(pool, examples, self.selector.first_phase(pool, self.train_cfg.group_size, seed=seed), seed)
-
-    def _advance(self, waiting: Round | None, new: Round | None,
-                 timer: PhaseTimer) -> tuple[list[tuple[RolloutBatch, torch.Tensor]], Round | None, RoundLedger]:
-        """Generate the waiting round's second phase and the new round's first phase together; then the rounds that
-        are complete become whole groups with advantages (screened-out rows are only counted), and a new round
-        with screened questions the selector continues waits for the next call."""
-        G = self.train_cfg.group_size
-        asks: list[tuple[Round, list[int], int]] = []  # (round, completion count per candidate, seed)
-        if waiting is not None:  # its second phase, seeded apart from its first
-            asks.append((waiting, waiting.more, (waiting.seed + CONTINUATION_SEED) % (2**31)))
-        if new is not None:
-            asks.append((new, new.counts, new.seed))
-        calls = phase_calls([(counts, seed) for _, counts, seed in asks], G,
-                            mixed=getattr(self.backend, "per_prompt_counts", False))
-        for call in calls:
-            examples = [asks[a][0].examples[i] for a, i in call.entries]
-            split_call([r for r, _, _ in asks], call, self._generate(examples, call, timer))
-        done = [] if waiting is None else [waiting]
-        waiting = new if new is not None and self._choose_second_phase(new) else None
-        if new is not None and waiting is None:
-            done.append(new)
-        spent = RoundLedger(calls=len(calls))
-        finished = []
-        for r in done:
-            batch, group_keep, round_spent = self._finish(r)
-            finished.append((batch, group_keep))
-            spent = spent.add(round_spent)
-        return finished, waiting, spent
-
-    def _choose_second_phase(self, r: Round) -> bool:
-        """Ask the selector which screened questions go on to G; True when any does (the round then waits)."""
-        G, screened = self.train_cfg.group_size, r.screened(self.train_cfg.group_size)
-        if not screened:
-            return False
-        rows, question = joined(r.rows, self.tokenizer.pad_token_id)
-        so_far = rewards_by_question(rows.rewards, question, len(r.counts))
-        verdicts = self.selector.continue_after([r.pool[i] for i in screened], [so_far[i] for i in screened], G)
-        go = {i for i, v in zip(screened, verdicts, strict=True) if v}
-        r.more = [G - c if i in go else 0 for i, c in enumerate(r.counts)]
-        return bool(go)
-
-    def _finish(self, r: Round) -> tuple[RolloutBatch, torch.Tensor, RoundLedger]:
-        """A round whose phases are done: the selector sees every reward, whole groups get advantages."""
-        G = self.train_cfg.group_size
-        rows, question = joined(r.rows, self.tokenizer.pad_token_id)
-        per_question = rewards_by_question(rows.rewards, question, len(r.counts))  # every row, screening included
-        self.selector.observe(r.pool, per_question, self.step_index)
-        spent = ledger(r.counts, r.continued, per_question, int(rows.lengths.sum()), G)
-        batch = rows.select(whole_groups(question, G))
-        batch.group_ids = torch.arange(len(batch) // G).repeat_interleave(G)  # [N]
-        if len(batch) == 0:
-            return batch, torch.zeros(0, dtype=torch.bool), spent
-        return (*score_groups(self.objective, batch, G), spent)
-
-    def _generate(self, examples: list, call: Call, timer: PhaseTimer) -> RolloutBatch:
-        """This rank generates and scores its share of the call; every rank returns the call's whole batch."""
-        share = rank_share(len(call.entries), self.rank, self.world_size)
-        mine, counts = examples[share], call.counts[share]
-        with timer("generate"), gathered(self.accelerator, self.policy, needed=self.backend.generates_with_policy):
-            prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine],
-                                     self.train_cfg.max_prompt_length)
-            # Seeded by the call-wide index of this rank's first prompt (backends offset the seed per prompt), so
-            # the step's samples do not depend on how many ranks share the generation.
-            local = generate(
-                # one count for a uniform call, even when this rank's share is empty: only a backend with
-                # per_prompt_counts is ever given a list
-                self.backend, prompts, call.counts[0] if call.uniform else counts, self.sampling,
-                seed=call.seed + share.start, eos_token_id=self.tokenizer.eos_token_id,
-                pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
-            )
-        with timer("reward"):
-            texts = decode_completions(self.tokenizer, completion_tokens(local))
-            rows_examples = [e for e, n in zip(mine, counts, strict=True) for _ in range(n)]
-            scored = score_completions(self.task, self.cfg.task.name, texts, rows_examples)
-            local.rewards = torch.tensor(scored.total, dtype=torch.float32)  # [N_rank]
-            local.reward_components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scored.components.items()}
-            for k, v in scored.metrics.items():  # counts such as verify_timeouts, summed over ranks and rounds
-                key = f"reward/{k}"
-                self._task_metrics[key] = self._task_metrics.get(key, 0.0) + float(all_reduce_sum(float(v)))
-        return all_gather_batch(local, self.tokenizer.pad_token_id)
 
     def _fill_logprobs(self, kept: RolloutBatch) -> None:
         T = self.train_cfg
@@ -267,20 +146,6 @@ class Engine:
             "tokens/trained": float(totals.tokens * T.mu),
             "train/rows": float(totals.sequences),
         }
-
-    def _pass_share(self) -> float:
-        """The share of candidates the selector expects to reach a whole group (1 before it has an estimate): the
-        dynamic allocator draws 1/share times the candidates so the survivors fill the step."""
-        share = self.selector.expected_pass_fraction()
-        return 1.0 if share is None else share
-
-    def _expected_rows(self, waiting: Round | None, kept_per_group: float | None) -> int:
-        """Rows a round still generating its second phase is expected to add once pruned (a whole group per
-        continued question where the pruner has no estimate)."""
-        if waiting is None:
-            return 0
-        kept = self.train_cfg.group_size if kept_per_group is None else kept_per_group
-        return math.ceil(waiting.continued * kept)
 
     # ---------------------------------------------------------------------------------------------------------
     def evaluate(self, tag: str, task: Any = None, split: str | None = None) -> dict[str, float]:

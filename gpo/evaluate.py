@@ -11,7 +11,7 @@ n completions):
   count together under math-verify; completions without an answer do not vote; a tie goes to the answer seen
   first; the question counts as correct when the winning answer is.
 
-Fixes relative to the CPPO reference's evaluation (reference section 5 and 8.9): every example is scored (the
+Fixes relative to the evaluation in the CPPO paper's released code (arXiv 2503.22342): every example is scored (the
 reference dropped the last partial batch: 1,312 of GSM8K's 1,319), completions stay aligned with their own
 examples (no de-duplication of prompts), and grading uses the task's training verifier instead of a laxer one.
 The engine calls `evaluate` for validation during training; `evaluate_from_args` is the command line around it.
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpo import registry
 from gpo.errors import UserError
 from gpo.types import Backend, Example, Grade, Sampling, Task
 
@@ -111,7 +112,7 @@ def evaluate(model: Any, tokenizer: Any, backend: Backend, task: Task, examples:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if samples < 1:
         raise UserError(f"eval.samples must be >= 1, got {samples}.")
-    from gpo.rollout import decode_completions, encode_prompts
+    from gpo.generation import decode_completions, encode_prompts
 
     ks = pass_ks(samples, pass_k) if samples > 1 else []
     per_call = max(1, batch_size // samples)  # questions per generate call
@@ -184,7 +185,6 @@ def summarise(records: Sequence[dict], samples: int = 1, ks: Sequence[int] = (),
 def final_tasks(cfg: Any, own_task: Task) -> list[tuple[str, Task]]:
     """eval.tasks as (name, task) pairs: the run's own task name is `own_task` (its settings); any other is built
     from its shipped YAML, with the run task's `data_dir` when both have that field (one local copy of the data)."""
-    from gpo import registry
     from gpo.config import component
 
     out = []
@@ -194,7 +194,7 @@ def final_tasks(cfg: Any, own_task: Task) -> list[tuple[str, Task]]:
             continue
         data_dir = getattr(cfg.task.config, "data_dir", None)
         shares_data = data_dir and "data_dir" in registry.get("task", name).defaults()
-        out.append((name, component("task", name, **({"data_dir": data_dir} if shares_data else {})).build()))
+        out.append((name, registry.build(component("task", name, **({"data_dir": data_dir} if shares_data else {})))))
     return out
 
 
@@ -237,7 +237,7 @@ def evaluate_from_args(args: list[str], config_files: list[str]) -> int:
     summary_file = run_dir / "summary.json"
     summary_file.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
 
-    tracker = cfg.tracker.build(run_dir=run_dir)
+    tracker = registry.build(cfg.tracker, run_dir=run_dir)
     tracker.start(name, {"task": cfg.task.name, "split": ev.split, "model": cfg.model.path,
                          "limit": ev.limit, "max_new_tokens": sampling.max_new_tokens, "samples": ev.samples},
                   to_yaml(cfg))

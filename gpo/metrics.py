@@ -15,8 +15,7 @@ import torch
 from torch import Tensor
 
 from gpo.distributed import all_reduce_values
-from gpo.ops import zero_variance_groups
-from gpo.pruners.ranking import group_index
+from gpo.ops import group_index, zero_variance_groups
 from gpo.rollout_phases import RoundLedger
 from gpo.types import RolloutBatch
 

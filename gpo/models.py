@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpo.config import ModelConfig
 from gpo.errors import UserError
+from gpo.run_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -89,9 +89,32 @@ def batch_whiten(advantages: Tensor, eps: float = 1e-8) -> Tensor:
     return whitened.masked_fill(flat, 0.0)
 
 
-def zero_variance_groups(rewards: Tensor) -> Tensor:
-    """[B, G] -> bool [B]: groups whose rewards are all equal (no learning signal)."""
-    return (rewards == rewards[:, :1]).all(dim=1)  # [B]
+def zero_variance_groups(rewards: Tensor, tolerance: float = 0.0) -> Tensor:
+    """[B, G] -> bool [B]: groups with no learning signal, their rewards equal within `tolerance` (max - min).
+
+    The one definition of "no variance": group-relative advantages are (r - mean) / (std + eps), so such a group
+    trains nothing. Binary rewards make it exact; graded rewards (a format bonus) may use a tolerance."""
+    if rewards.shape[1] < 2:
+        return torch.ones(rewards.shape[0], dtype=torch.bool)
+    return (rewards.amax(dim=1) - rewards.amin(dim=1)) <= tolerance  # [B]
+
+
+def no_variance(rewards: Tensor, tolerance: float = 0.0) -> bool:
+    """One question's rewards [n], of any count, by the same rule (a single reward or none has no variance)."""
+    return rewards.numel() < 2 or bool(zero_variance_groups(rewards.reshape(1, -1), tolerance)[0])
+
+
+def group_index(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    """(index [N] in 0..groups-1 in order of appearance, size [groups]), checking that groups are contiguous."""
+    ids = batch.group_ids
+    if len(ids) == 0:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    starts = torch.ones(len(ids), dtype=torch.bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    index = torch.cumsum(starts.long(), 0) - 1  # [N]
+    if int(starts.sum()) != len(torch.unique(ids)):
+        raise UserError("batch.group_ids: the rows of a question must be contiguous (a group id reappears later).")
+    return index, torch.bincount(index)
 
 
 def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, factor: float) -> Tensor:

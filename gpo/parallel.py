@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpo.config import EngineConfig, OptimConfig, TrainConfig
 from gpo.errors import UserError
+from gpo.run_config import EngineConfig, OptimConfig, TrainConfig
 
 
 def deepspeed_config(engine: EngineConfig, train: TrainConfig, optim: OptimConfig, world_size: int) -> dict:

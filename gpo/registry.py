@@ -17,8 +17,8 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from gpo.errors import UserError, did_you_mean
-
-KINDS = ("algo", "selector", "pruner", "allocator", "task", "backend", "tracker")
+from gpo.run_config import KINDS
+from gpo.schema import field_default, validated
 
 # Importing these registers every built-in component of gpo.
 BUILTIN_MODULES = (
@@ -55,8 +55,6 @@ class Entry:
         if cfg is None:
             cfg = self.config()
         elif not isinstance(cfg, self.config):
-            from gpo.config import validated  # the composer's own checks, so one place says what is wrong
-
             cfg = validated(dict(cfg), self.config, self.kind)
         built = self.cls(cfg, **context)
         missing = missing_members(self.kind, built)
@@ -68,8 +66,9 @@ class Entry:
 
 
 _entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
-INTERFACES = {"algo": "Objective", "selector": "Selector", "pruner": "Pruner", "allocator": "Allocator",
-              "task": "Task", "backend": "Backend", "tracker": "Tracker"}  # the Protocol classes of gpo/types.py
+# The Protocol class of gpo/types.py that each kind implements (a key for every kind, in KINDS' order).
+INTERFACES = dict(zip(KINDS, ("Objective", "Selector", "Pruner", "Allocator", "Task", "Backend", "Tracker"),
+                      strict=True))
 
 
 def missing_members(kind: str, component: Any) -> list[str]:
@@ -119,6 +118,11 @@ def get(kind: str, name: str) -> Entry:
         ) from None
 
 
+def build(component: Any, **context: Any) -> Any:
+    """Instantiate a picked component of the run config (`cfg.pruner`: its kind, name and validated config)."""
+    return get(component.kind, component.name).build(component.config, **context)
+
+
 def names(kind: str) -> list[str]:
     return sorted(_entries[kind])
 
@@ -154,12 +158,3 @@ def load_plugins(modules: Iterable[str] = ()) -> None:
 
 def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def field_default(field: dataclasses.Field) -> Any:
-    """A dataclass field's default value (a fresh one from its factory), or "???" when it has none."""
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return "???"

@@ -1,5 +1,7 @@
 """Rollouts in phases, as the selector asks: which prompts each generation call takes, how the phases' rows become
-whole groups of G, and what selection saved. Pure functions and plain records; the engine runs the calls.
+whole groups of G, and what selection saved. Plain records and functions of the selector and a `generate` callable:
+the engine's rollout (gpo/rollout.py) passes its backend, the model-free harness (gpo/step_math.py) scripted rewards,
+so both run the same phases (docs/architecture.md, "The step").
 
 A selector gives each candidate question a completion count for the first phase (0 skips it, G is its whole
 group, anything between screens it); a screened question it continues gets the remaining G - n in a second phase.
@@ -10,14 +12,15 @@ backend takes a count per prompt; one per distinct count otherwise). Rows carry 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
 from gpo.errors import UserError
-from gpo.selectors.variance import no_variance
-from gpo.types import RolloutBatch
+from gpo.ops import no_variance
+from gpo.types import QuestionRewards, RolloutBatch, Selector
 
 # Generation seeds. A call's prompts take consecutive seeds from the call's seed (backends add each prompt's place in
 # the call), so calls are spaced so that none of a run's calls share a seed: up to PROMPT_SEEDS prompts per call,
@@ -106,9 +109,16 @@ def rank_share(m: int, rank: int, world_size: int) -> slice:
     return slice(rank * m // world_size, (rank + 1) * m // world_size)
 
 
-def rewards_by_question(rewards: Tensor, question: Tensor, candidates: int) -> list[Tensor]:
-    """rewards [N] and question [N] -> each candidate's rewards so far ([n_i], in row order; empty if none)."""
-    return [rewards[question == i] for i in range(candidates)]
+def rewards_by_question(rows: RolloutBatch, question: Tensor, candidates: int,
+                        pass_key: str = "accuracy") -> list[QuestionRewards]:
+    """Each candidate's rewards so far (row order; empty for a candidate without rows): the total, every reward
+    component, and the component named `pass_key` (the task's pass criterion) as `passed` where the task has it."""
+    out = []
+    for i in range(candidates):
+        at = question == i  # [N]
+        components = {k: v[at] for k, v in rows.reward_components.items()}
+        out.append(QuestionRewards(total=rows.rewards[at], passed=components.get(pass_key), components=components))
+    return out
 
 
 def whole_groups(question: Tensor, group_size: int) -> Tensor:
@@ -119,6 +129,7 @@ def whole_groups(question: Tensor, group_size: int) -> Tensor:
     counts = torch.bincount(question)
     rows = (counts[question] == group_size).nonzero(as_tuple=True)[0]
     return rows[torch.sort(question[rows], stable=True).indices]
+
 
 def joined(parts: list[tuple[RolloutBatch, torch.Tensor]], pad_token_id: int) -> tuple[RolloutBatch, torch.Tensor]:
     """A phase's calls as one batch, and each row's candidate position ([N])."""
@@ -155,10 +166,11 @@ class RoundLedger:
         return RoundLedger(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
-def ledger(counts: list[int], continued: int, rewards: list[Tensor], tokens: int, group_size: int) -> RoundLedger:
+def ledger(counts: list[int], continued: int, rewards: list[QuestionRewards], tokens: int,
+           group_size: int) -> RoundLedger:
     """The round's accounting from the first-phase counts, how many screened candidates continued, every
-    candidate's rewards (all its rows) and the tokens generated."""
-    generated = [r for r in rewards if r.numel()]
+    candidate's rewards (all its rows; the zero-variance counts read the total) and the tokens generated."""
+    generated = [r.total for r in rewards if len(r)]
     groups = [r for r in generated if r.numel() == group_size]
     screened = sum(1 for c in counts if 0 < c < group_size)
     return RoundLedger(
@@ -167,3 +179,73 @@ def ledger(counts: list[int], continued: int, rewards: list[Tensor], tokens: int
         zero_var_generated=sum(no_variance(r, TOLERANCE) for r in generated), groups=len(groups),
         zero_var_groups=sum(no_variance(r, TOLERANCE) for r in groups),
     )
+
+
+# --- one round's phases ------------------------------------------------------------------------------------------
+
+Generate = Callable[[list, Call], RolloutBatch]  # (the call's examples, the call) -> its rows, rewards filled in
+
+
+@dataclass(frozen=True)
+class Phases:
+    """What runs a round's phases: the selector, how a call is generated and scored, and the step's settings."""
+
+    selector: Selector
+    generate: Generate
+    group_size: int
+    pad_token_id: int
+    pass_key: str = "accuracy"  # the task's pass criterion: the reward component that says "right"
+    mixed: bool = False  # the backend takes a completion count per prompt (one call for mixed counts)
+
+
+def advance(p: Phases, waiting: Round | None, new: Round | None,
+            step: int) -> tuple[list[RolloutBatch], Round | None, RoundLedger]:
+    """Generate the waiting round's second phase and the new round's first phase together. The rounds that are then
+    complete become whole groups (screened-out rows are only counted); a new round with screened questions the
+    selector continues is returned to wait for the next call. Returns (whole-group batches, waiting, accounting)."""
+    asks: list[tuple[Round, list[int], int]] = []  # (round, completion count per candidate, seed)
+    if waiting is not None:  # its second phase, seeded apart from its first
+        asks.append((waiting, waiting.more, (waiting.seed + CONTINUATION_SEED) % (2**31)))
+    if new is not None:
+        asks.append((new, new.counts, new.seed))
+    calls = phase_calls([(counts, seed) for _, counts, seed in asks], p.group_size, mixed=p.mixed)
+    for call in calls:
+        examples = [asks[a][0].examples[i] for a, i in call.entries]
+        split_call([r for r, _, _ in asks], call, p.generate(examples, call))
+    done = [] if waiting is None else [waiting]
+    waiting = new if new is not None and choose_second_phase(p, new) else None
+    if new is not None and waiting is None:
+        done.append(new)
+    spent = RoundLedger(calls=len(calls))
+    finished = []
+    for r in done:
+        batch, round_spent = finish(p, r, step)
+        finished.append(batch)
+        spent = spent.add(round_spent)
+    return finished, waiting, spent
+
+
+def choose_second_phase(p: Phases, r: Round) -> bool:
+    """Ask the selector which screened questions go on to G; True when any does (the round then waits)."""
+    G, screened = p.group_size, r.screened(p.group_size)
+    if not screened:
+        return False
+    rows, question = joined(r.rows, p.pad_token_id)
+    so_far = rewards_by_question(rows, question, len(r.counts), p.pass_key)
+    verdicts = p.selector.continue_after([r.pool[i] for i in screened], [so_far[i] for i in screened], G)
+    go = {i for i, v in zip(screened, verdicts, strict=True) if v}
+    r.more = [G - c if i in go else 0 for i, c in enumerate(r.counts)]
+    return bool(go)
+
+
+def finish(p: Phases, r: Round, step: int) -> tuple[RolloutBatch, RoundLedger]:
+    """A round whose phases are done: the selector observes every candidate's rewards (empty for a skipped one),
+    and the candidates with exactly G rows become contiguous whole groups (group_ids 0..B'-1)."""
+    G = p.group_size
+    rows, question = joined(r.rows, p.pad_token_id)
+    per_question = rewards_by_question(rows, question, len(r.counts), p.pass_key)  # screening rows included
+    p.selector.observe(r.pool, per_question, step)
+    spent = ledger(r.counts, r.continued, per_question, int(rows.lengths.sum()), G)
+    batch = rows.select(whole_groups(question, G))
+    batch.group_ids = torch.arange(len(batch) // G).repeat_interleave(G)  # [N]
+    return batch, spent

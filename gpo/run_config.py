@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 
 from gpo.schema import Fraction, Ge, Gt, Le, NonNegative, NonNegativeInt, Positive, PositiveInt, Rate
 
-COMPONENT_KINDS = ("algo", "selector", "pruner", "allocator", "task", "backend", "tracker")
+# Every kind of component, in pick order.
+KINDS = ("algo", "selector", "pruner", "allocator", "task", "backend", "tracker")
 GroupSize = Annotated[int, Ge(2)]  # group-relative advantages need at least two completions per question
 TopP = Annotated[float, Gt(0), Le(1)]  # nucleus mass kept; 1 = off
 
@@ -66,7 +67,7 @@ class OptimConfig:
     warmup_ratio: Fraction = 0.1
     max_grad_norm: Positive = 1.0
     # torch's fused AdamW: one kernel over all parameters instead of a Python loop over ~270 tensors (CPU and
-    # GPU; 0.46 -> 0.09 s per step for SmolLM2-135M on 2 CPU cores, bench/optimizer.py). Same maths.
+    # GPU; about 5x faster on CPU, docs/benchmarks.md). Same maths.
     fused: bool = True
 
 
@@ -131,11 +132,6 @@ class Component:
     name: str
     config: Any
 
-    def build(self, **context: Any) -> Any:
-        from gpo import registry
-
-        return registry.get(self.kind, self.name).build(self.config, **context)
-
     def __getattr__(self, key: str) -> Any:
         """The config's fields read through the component: `cfg.pruner.rate` is `cfg.pruner.config.rate`."""
         if key.startswith("__") or key in ("kind", "name", "config"):  # copy/pickle probe before fields exist
@@ -171,7 +167,7 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def components(self) -> dict[str, Component]:
-        return {kind: getattr(self, kind) for kind in COMPONENT_KINDS}
+        return {kind: getattr(self, kind) for kind in KINDS}
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with top-level fields replaced (`cfg.replace(run_name="x")`); sections are replaced whole."""
@@ -202,4 +198,4 @@ def as_layer(cfg: RunConfig) -> dict[str, Any]:
     """The whole config as one config layer (e.g. a `gpo run --config` file for each rank): it names each component
     in `defaults:`, so composing it picks the same components before the resolved sections are laid over them."""
     body = as_dict(cfg)
-    return {"defaults": {kind: body[kind]["name"] for kind in COMPONENT_KINDS}, **body}
+    return {"defaults": {kind: body[kind]["name"] for kind in KINDS}, **body}

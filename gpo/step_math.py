@@ -6,6 +6,7 @@ optimizer, public so that an algorithm or a pruner can be checked on a hand-made
     candidates, keep = kept_rows(pruner, scored, group_keep, group_size=4)  # whole kept groups, pruner's mask
     kept = candidates.select(keep)
     shares = loss_shares(objective, kept, logp, micro_batch_size=2)  # logp [N, L]: any policy's, or made up
+    run = select(selector, {7: {"total": [2, 1, 2, 1], "accuracy": [1, 0, 1, 0]}}, group_size=4)  # a selector
 
 Every function is pure: the components it is given decide, nothing is loaded, nothing is communicated (a
 multi-rank step sums `step_totals` over ranks before the loss; the engine does that).
@@ -14,12 +15,15 @@ multi-rank step sums `step_totals` over ranks before the loss; the engine does t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from gpo.logprobs import micro_batches
-from gpo.types import Objective, Pruner, RolloutBatch, StepTotals
+from gpo.rollout_phases import Call, Phases, Round, RoundLedger, advance, generation_seed
+from gpo.types import Objective, Pruner, RolloutBatch, Selector, StepTotals
 
 
 def shaped_rewards(objective: Objective, batch: RolloutBatch, group_size: int) -> Tensor:
@@ -68,3 +72,61 @@ def loss_shares(objective: Objective, batch: RolloutBatch, logp: Tensor, micro_b
         out.append(objective.loss(logp[row:row + len(mb), :mb.completion_ids.shape[1]], mb, totals))
         row += len(mb)
     return out
+
+
+@dataclass(frozen=True)
+class SelectionRun:
+    """What one round of a selector's phases did: completions generated per question, the questions that got a
+    whole group to train on, those skipped (no completion) and those screened out (screened, not continued)."""
+
+    generated: dict[int, int]
+    trained: list[int]
+    skipped: list[int]
+    screened_out: list[int]
+    ledger: RoundLedger
+
+
+def select(selector: Selector, rewards: Mapping[int, Mapping[str, Sequence[float]]], group_size: int, step: int = 0,
+           run_seed: int = 0, pass_key: str = "accuracy", mixed: bool = False) -> SelectionRun:
+    """Run one round of `selector` over the questions of `rewards` (keys, in order), exactly as the engine's rollout
+    does (gpo.rollout_phases.advance: first phase, screening rewards, continue to G, observe), on scripted rewards:
+    `rewards[q]` maps "total" and each reward component to at least G values, the j-th given to q's j-th completion
+    (screening rows first). The selector's state changes as in a run; call again for the next step."""
+    pool = list(rewards)
+    given = dict.fromkeys(pool, 0)
+
+    def generate(examples: list, call: Call) -> RolloutBatch:
+        totals: list[float] = []
+        components: dict[str, list[float]] = {k: [] for k in rewards[pool[0]] if k != "total"} if pool else {}
+        for q, n in zip(examples, call.counts, strict=True):
+            start, given[q] = given[q], given[q] + n
+            totals += [float(v) for v in rewards[q]["total"][start:start + n]]
+            for k in components:
+                components[k] += [float(v) for v in rewards[q][k][start:start + n]]
+        if len(totals) != sum(call.counts):
+            raise ValueError(f"scripted rewards hold fewer than the {group_size} values each question may need")
+        return _scripted_rows(totals, components)
+
+    phases = Phases(selector, generate, group_size, pad_token_id=0, pass_key=pass_key, mixed=mixed)
+    seed = generation_seed(run_seed, step, 0)
+    first = Round(pool, pool, selector.first_phase(pool, group_size, seed=seed), seed)
+    finished, waiting, spent = advance(phases, None, first, step)
+    if waiting is not None:
+        more, _, rest = advance(phases, waiting, None, step)
+        finished, spent = finished + more, spent.add(rest)
+    trained = [q for q in pool if given[q] == group_size]
+    assert sum(len(b) for b in finished) == len(trained) * group_size  # the whole groups the rollout built
+    return SelectionRun(generated=dict(given), trained=trained, skipped=[q for q, c in zip(pool, first.counts,
+                                                                                              strict=True) if c == 0],
+                        screened_out=[q for q in pool if 0 < given[q] < group_size], ledger=spent)
+
+
+def _scripted_rows(totals: list[float], components: dict[str, list[float]]) -> RolloutBatch:
+    """Rows of one token each carrying the given rewards: enough of a batch for the selection phases."""
+    n = len(totals)
+    one = torch.ones((n, 1), dtype=torch.long)
+    return RolloutBatch(prompt_ids=one, prompt_mask=one, completion_ids=one, completion_mask=one,
+                        group_ids=torch.zeros(n, dtype=torch.long), rewards=torch.tensor(totals, dtype=torch.float32),
+                        advantages=torch.zeros(n), truncated=torch.zeros(n, dtype=torch.bool),
+                        owner_rank=torch.zeros(n, dtype=torch.long),
+                        reward_components={k: torch.tensor(v, dtype=torch.float32) for k, v in components.items()})

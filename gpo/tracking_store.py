@@ -25,7 +25,8 @@ TAG_ERROR = "gpo_study_error"
 PEAK_RSS = "study/peak_rss_mb"
 PEAK_GPU = "study/peak_gpu_mb"
 
-STEP_METRICS = ("reward/mean", "time/step", "tokens/generated", "tokens/trained", "prune/kept_frac",
+STEP_METRICS = ("reward/mean", "reward/task_mean", "reward/success_rate", "time/step", "tokens/generated",
+                "tokens/trained", "prune/kept_frac",
                 "select/considered", "select/skipped", "select/screened_out", "select/completions",
                 "select/completions_baseline", "select/useful_rows")  # what a selector saved (gpo/rollout_phases.py)
 # Logged config values the tables read (the whole config is logged as params by the engine).

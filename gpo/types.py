@@ -156,6 +156,21 @@ class Rewards:
     metrics: dict[str, float] = field(default_factory=dict)  # e.g. {"verify_timeouts": 1}
 
 
+@dataclass(frozen=True)
+class QuestionRewards:
+    """One question's rewards so far, in row order (screening rows first): what selectors decide on.
+
+    `passed` is the task's pass criterion (its `accuracy` component unless the task names another): 1 right,
+    0 wrong; None when the task has no such component, and then a selector can only judge on `total`."""
+
+    total: Tensor  # [n] shaped total reward
+    passed: Tensor | None  # [n] float 0/1
+    components: dict[str, Tensor] = field(default_factory=dict)  # [n] each, every reward component by name
+
+    def __len__(self) -> int:
+        return int(self.total.numel())
+
+
 @dataclass
 class Grade:
     """How one completion was judged, for evaluation reports."""
@@ -224,13 +239,13 @@ class Allocator(Protocol):
     """allocator: how many questions a step draws, and refills when filtering or pruning leaves slots empty."""
 
     def first_round(self, slots: int, group_size: int, kept_per_group: float | None, world_size: int,
-                    pass_share: float = 1.0) -> int:
+                    pass_rate: float = 1.0) -> int:
         """Questions to draw first, for `slots` = B*G training rows. `kept_per_group` is the pruner's estimate of
-        rows kept per whole group (None: none), `pass_share` the selector's share of candidates expected to reach
-        a whole group."""
+        rows kept per whole group (None: none), `pass_rate` the selector's pass rate, the share of candidates
+        expected to reach a whole group (`Selector.expected_pass_rate`), in (0, 1]."""
 
     def next_round(self, slots_left: int, rounds_done: int, group_size: int, kept_per_group: float | None,
-                   world_size: int, pass_share: float = 1.0) -> int:
+                   world_size: int, pass_rate: float = 1.0) -> int:
         """Questions to draw in another round; 0 stops. Asked after every round; while a round is still
         generating its second phase, `slots_left` counts its continued groups by the pruner's estimate, and the
         engine asks again (same `rounds_done`) once they are known, so an answer of 0 need not be the last call."""
@@ -248,24 +263,33 @@ class Selector(Protocol):
     Candidates are named by their index in the task's train pool (stable across epochs, ranks and resumes). The
     engine asks `first_phase`, generates and scores what it says, then asks `continue_after` about every question
     that got fewer than G completions; those it continues get the remaining completions, the rest are screened out
-    (their rollouts are counted, never trained on). `observe` then sees every generated completion's reward.
+    (their rollouts are counted, never trained on). `observe` then sees every candidate's rewards.
+    Rewards come as one `QuestionRewards` per question: the total (the task's weighted sum of its components, before
+    any objective's shaping), every component, and the task's pass criterion (`passed`), which is what the built-in
+    selectors judge by default (selection/base.py).
     Decisions depend only on the selector's state, the arguments and `seed`, so every rank, given the same
-    all-gathered rewards, decides the same; the state (per-question history) is part of the checkpoint.
+    all-gathered rewards, decides the same. The state (per-question history) is saved in the checkpoint as JSON:
+    `state_dict` must survive `json.loads(json.dumps(...))` (dict keys come back as strings) and a selector loaded
+    from it must decide as the original would.
     """
 
     def first_phase(self, questions: list[int], group_size: int, seed: int) -> list[int]:
         """Completions to generate now per candidate: 0 skips it, group_size generates its whole group, anything
         between screens it first."""
 
-    def continue_after(self, questions: list[int], rewards: list[Tensor], group_size: int) -> list[bool]:
-        """For each question that got fewer than G completions, its rewards so far ([n] each): continue it to G?"""
+    def continue_after(self, questions: list[int], rewards: list[QuestionRewards], group_size: int) -> list[bool]:
+        """For each question that got fewer than G completions, its rewards so far (screening rows, [n] each):
+        continue it to G?"""
 
-    def observe(self, questions: list[int], rewards: list[Tensor], step: int) -> None:
-        """Every generated completion's total reward per question ([n_i], screening rows included)."""
+    def observe(self, questions: list[int], rewards: list[QuestionRewards], step: int) -> None:
+        """Every candidate of the round, in the order `first_phase` was given them, with all its generated rows
+        (screening rows first). A skipped candidate (0 completions) comes with an empty record (len 0): it is
+        passed, not left out, so a selector can tell "drawn and skipped" from "not drawn"."""
 
-    def expected_pass_fraction(self) -> float | None:
-        """The share of candidates expected to reach a full group (None: no estimate yet); the engine scales the
-        pruner's kept-per-group by it, so the dynamic allocator draws enough candidates to fill the step."""
+    def expected_pass_rate(self) -> float | None:
+        """The share of candidates expected to pass selection, i.e. reach a whole group (None: no estimate yet); the
+        engine scales the pruner's kept-per-group by it, so the dynamic allocator draws enough candidates to fill
+        the step."""
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -290,6 +314,12 @@ class Task(Protocol):
         nothing. Safe to call twice; a task used after close() starts what it needs again."""
 
 
+def pass_criterion(task: Any) -> str:
+    """The reward component whose positive value means a completion is right: a task's `pass_criterion`
+    attribute (the built-in tasks declare "accuracy"; `task=dataset` may name one of the user's rewards)."""
+    return getattr(task, "pass_criterion", "accuracy")
+
+
 class Backend(Protocol):
     """backend: generates completions; the policy's weights are synced into it after every optimizer step."""
 
@@ -297,6 +327,9 @@ class Backend(Protocol):
     # around generation. False for a generator with its own copy of the weights (`vllm`), which gets them through
     # `sync_weights` and needs nothing gathered while it generates.
     generates_with_policy: bool
+    # True when `generate` takes a completion count per prompt (a list n); False: one count per call, so the rollout
+    # groups prompts with equal counts into separate calls.
+    per_prompt_counts: bool
 
     def generate(self, prompts: list[list[int]], n: int | list[int], sampling: Sampling,
                  seed: int) -> list[list[int]]:

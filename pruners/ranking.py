@@ -1,22 +1,26 @@
-"""What the pruners share: which rows form a group, the unit a quota counts over (`Scope`), how many rows each
-unit keeps (`Quota`), a seeded per-row key for ties (`row_keys`), keeping the best rows of each unit (`keep_top`),
-and topping a mask up to a multiple of the world size by a pruner's own priority (`top_up`).
+"""What the pruners share: the unit a quota counts over (`Scope`), a seeded per-row key for ties (`row_keys`),
+keeping the best rows of each unit (`keep_top`), topping a mask up to a multiple of the world size by a pruner's
+own priority (`top_up`), and the |advantage| score (`advantage_magnitude`).
 
-`topk`, `random` and `threshold` differ only in the score they rank by; everything here is pure and decides the
-same on every rank, because every rank holds the same gathered batch.
+`topk` and `random` keep k rows per unit and differ only in what they rank by: both are a `QuotaPruner` with a
+`QuotaConfig` (rate -> k of G, scope, seed) and their own `ranking`. `threshold` keeps a data-dependent count and
+shares the key, `keep_top` for its floor, `top_up` and the score. Everything here is pure and decides the same
+on every rank, because every rank holds the same gathered batch.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Literal, get_args
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
 from gpo.errors import UserError
+from gpo.ops import group_index
 from gpo.quota import kept_per_group
-from gpo.schema import Ge, Lt
+from gpo.schema import Ge, Lt, PositiveInt, Rate
 from gpo.types import RolloutBatch
 
 # The rows one quota competes over:
@@ -24,7 +28,6 @@ from gpo.types import RolloutBatch
 #   rank:   k x (questions of that rank) over the rows each rank generated (the CPPO open-r1 code)
 #   global: k x (all questions) over the whole step (the CPPO verl code)
 Scope = Literal["group", "rank", "global"]
-SCOPES: tuple[str, ...] = get_args(Scope)
 
 # `row_keys` packs the seed into 8 signed bytes.
 Seed = Annotated[int, Ge(-(2**63)), Lt(2**63)]
@@ -86,44 +89,64 @@ def top_up(keep: Tensor, priority: Tensor, multiple_of: int) -> Tensor:
     return out
 
 
-def group_index(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-    """(index [N] in 0..groups-1 in order of appearance, size [groups]), checking that groups are contiguous."""
-    ids = batch.group_ids
-    if len(ids) == 0:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    starts = torch.ones(len(ids), dtype=torch.bool)
-    starts[1:] = ids[1:] != ids[:-1]
-    index = torch.cumsum(starts.long(), 0) - 1  # [N]
-    if int(starts.sum()) != len(torch.unique(ids)):
-        raise UserError("batch.group_ids: the rows of a question must be contiguous (a group id reappears later).")
-    return index, torch.bincount(index)
+@dataclass(frozen=True)
+class QuotaConfig:
+    """Settings of a pruner that keeps k rows per group, rank or step (topk, random): k from `keep`, else from
+    `rate` (gpo.quota.kept_per_group), counted over `scope`, ties broken by the seeded per-row key."""
+
+    rate: Rate | None = 0.75  # P, the fraction pruned per group: k = G - round(G*P) kept
+    keep: PositiveInt | None = None  # k kept per group; when set it replaces `rate`
+    scope: Scope = "group"  # group | rank | global, see Scope above
+    seed: Seed = 0  # the per-row key's seed; combined with each row's tokens, so it changes from step to step
+
+    def __post_init__(self) -> None:
+        # A rule of two fields; each field's own range is its annotation, checked by the composer.
+        if self.rate is None and self.keep is None:
+            raise UserError("set either `pruner.keep` (completions kept per group) or `pruner.rate` (the fraction "
+                            "pruned, P); both are null.")
 
 
-class Quota:
-    """How many rows each segment keeps, for a per-group k (`keep`, else from `rate`) and a scope; shared by
-    topk and random. Field ranges and the scope's choices are the config's types, checked by the composer."""
+class QuotaPruner:
+    """Keeps the k best rows per group, rank or step (`QuotaConfig`): a subclass says only what "best" is.
 
-    def __init__(self, rate: float | None, keep: int | None, scope: Scope) -> None:
-        if keep is None:
-            kept_per_group(1 << 20, rate=rate)  # one of the two must be set: say so before the first batch
-        self.rate, self.keep, self.scope = rate, keep, scope
+    `ranking` gives each row a score (the k highest are kept, equal scores by the smaller seeded key) and a
+    priority for the rows a top-up to a multiple of the world size adds (highest first, then row order).
+    """
+
+    def __init__(self, cfg: QuotaConfig) -> None:
+        self.cfg = cfg
+
+    def ranking(self, batch: RolloutBatch, key: Tensor) -> tuple[Tensor, Tensor]:
+        """(score [N], top-up priority [N]) of the batch's rows; `key` [N] is `row_keys(batch, cfg.seed)`."""
+        raise NotImplementedError
+
+    def keep(self, batch: RolloutBatch, multiple_of: int = 1) -> Tensor:
+        key = row_keys(batch, self.cfg.seed)  # [N]
+        score, priority = self.ranking(batch, key)
+        segment, quota = self.segments(batch)
+        return top_up(keep_top(score, key, segment, quota), priority, multiple_of)
+
+    def expected_kept_per_group(self, group_size: int) -> float:
+        return float(self.per_group(group_size))
 
     def per_group(self, group_size: int) -> int:
-        return kept_per_group(group_size, rate=self.rate, keep=self.keep)
+        return kept_per_group(group_size, rate=self.cfg.rate, keep=self.cfg.keep)
 
     def segments(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """(segment [N], quota [S]) for this batch's scope."""
         group, sizes = group_index(batch)
         k = torch.tensor([self.per_group(int(s)) for s in sizes], dtype=torch.long)  # [groups]
-        if self.scope == "group":
+        if self.cfg.scope == "group":
             return group, k
-        if self.scope == "global":
+        if self.cfg.scope == "global":
             return torch.zeros(len(batch), dtype=torch.long), k.sum().reshape(1)
-        if self.scope == "rank":
-            # a group belongs to the rank that generated it; that rank keeps the sum of its groups' k
-            first_row = torch.searchsorted(group, torch.arange(len(sizes)))  # [groups]
-            group_owner = batch.owner_rank[first_row].long()
-            quota = torch.zeros(int(group_owner.max()) + 1, dtype=torch.long).index_add_(0, group_owner, k)
-            return batch.owner_rank.long(), quota
-        # Only a config built without the composer gets here; the composer rejects other scopes with a suggestion.
-        raise UserError(f"pruner.scope must be one of {', '.join(SCOPES)}, got `{self.scope}`.")
+        # rank: a group belongs to the rank that generated it; that rank keeps the sum of its groups' k
+        first_row = torch.searchsorted(group, torch.arange(len(sizes)))  # [groups]
+        group_owner = batch.owner_rank[first_row].long()
+        quota = torch.zeros(int(group_owner.max()) + 1, dtype=torch.long).index_add_(0, group_owner, k)
+        return batch.owner_rank.long(), quota
+
+
+def advantage_magnitude(batch: RolloutBatch) -> Tensor:
+    """|A| [N] as float on the CPU: the score of topk and threshold (CPPO ranks completions by it)."""
+    return batch.advantages.abs().float().cpu()

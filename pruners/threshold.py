@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from gpo.errors import UserError
-from gpo.pruners.ranking import Seed, group_index, keep_top, row_keys, top_up
+from gpo.ops import group_index
+from gpo.pruners.ranking import Seed, advantage_magnitude, keep_top, row_keys, top_up
 from gpo.registry import register
 from gpo.schema import NonNegative, NonNegativeInt
 from gpo.types import RolloutBatch
@@ -37,7 +38,7 @@ class ThresholdPruner:
 
     def keep(self, batch: RolloutBatch, multiple_of: int = 1) -> Tensor:
         """|A| >= gamma, plus the floor; a top-up to a multiple of `multiple_of` takes the largest |A| left."""
-        score = batch.advantages.abs().float().cpu()  # [N]
+        score = advantage_magnitude(batch)  # [N]
         return top_up(self._rule(batch, score), score, multiple_of)
 
     def _rule(self, batch: RolloutBatch, score: Tensor) -> Tensor:

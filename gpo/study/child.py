@@ -1,13 +1,17 @@
-"""Inside one study run's own process (`python -m gpo.study --child SPEC`): train, then write the outcome and this
-process's peak memory where the study reads them."""
+"""One study run in its own process, both sides: `run_child` starts `python -m gpo.study --child SPEC` and reads its
+`Outcome`; `child` runs inside that process, trains, then writes the outcome and the process's peak memory."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
+
+from gpo.run_config import RunConfig
 
 
 def child(spec_path: str) -> int:
@@ -76,3 +80,47 @@ def _peak_gpu_mb() -> float | None:
     if torch is None or not torch.cuda.is_available():
         return None
     return torch.cuda.max_memory_allocated() / 2**20
+
+
+# --- the study's side: start a child and read its outcome ---------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    status: str  # FINISHED | FAILED | KILLED
+    error: str  # first line of the failure, "" when it finished
+    peak_rss_mb: float | None
+    peak_gpu_mb: float | None
+
+
+def run_child(cfg: RunConfig, run_dir: Path, devices: list[int] | None = None,
+              sys_path: list[str] | None = None) -> tuple[Outcome, Path]:
+    """Train one run in a fresh interpreter; its stdout and stderr go to `<run_dir>/study.log`. `sys_path`: the
+    study's import path (where its plug-ins are found), when this runs elsewhere (a Ray worker)."""
+    import os
+
+    from gpo.config import to_yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path, spec_path, result_path = run_dir / "study.log", run_dir / "study-spec.json", run_dir / "study-result.json"
+    spec = {"config": to_yaml(cfg), "result": str(result_path), "sys_path": [p for p in sys_path or sys.path if p]}
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gpo.study", "--child", str(spec_path)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the child too: let it save its checkpoint and end its run
+            proc.wait()
+            raise
+    if result_path.is_file():
+        result = json.loads(result_path.read_text())
+        outcome = Outcome(result["status"], result["error"], result["peak_rss_mb"], result["peak_gpu_mb"])
+        return outcome, log_path
+    last = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:]
+    why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    error = f"the run's process ended without a result ({why}){': ' + last[0] if last else ''}"
+    return Outcome("FAILED", error, None, None), log_path

@@ -30,7 +30,7 @@ def _run_on_worker(config: dict, run_dir: str, sys_path: list[str]) -> tuple[Any
 
     sys.path.extend(p for p in sys_path if p not in sys.path)  # appended: see gpo.study.child on vendored copies
     from gpo.config import validate
-    from gpo.study.runner import run_child
+    from gpo.study.child import run_child
 
     return run_child(validate(config), Path(run_dir), sys_path=sys_path)
 

@@ -15,7 +15,7 @@ engine.num_processes devices (CUDA_VISIBLE_DEVICES), and waits while too few are
 DIR/study-args.json): finished runs are kept, failed, killed and never-started ones run again (a re-run's old
 directory is kept beside it as NAME.attempt-K). A finished run's training checkpoints are deleted once it is
 recorded (`study.keep_checkpoints=true` keeps them): 1.6 GB per run of the 135M default, and 13 runs of a study
-filled this project's disk with them.
+filled a disk with them.
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ import errno
 import json
 import re
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +35,12 @@ from gpo import tracking_store as store
 from gpo.config import component
 from gpo.errors import UserError
 from gpo.run_config import Component, RunConfig, as_dict
+from gpo.study.child import Outcome, run_child
 from gpo.study.grid import Plan, PlannedRun, plan
 from gpo.study.report import write_outputs
 from gpo.tracking_store import TAG_BASELINE, TAG_COMBINATION, TAG_GROUP, TAG_INDEX, TAG_PARENT, TAG_ROLE
 
 ARGS_FILE = "study-args.json"
-
-
-@dataclass
-class Outcome:
-    status: str  # FINISHED | FAILED | KILLED
-    error: str  # first line of the failure, "" when it finished
-    peak_rss_mb: float | None
-    peak_gpu_mb: float | None
 
 
 def study_from_args(args: list[str], config_files: Sequence[str] = (), baseline: str | None = None) -> int:
@@ -311,39 +301,6 @@ class DevicePool:
                         pool.changed.notify_all()
 
         return Lease()
-
-
-def run_child(cfg: RunConfig, run_dir: Path, devices: list[int] | None = None,
-              sys_path: list[str] | None = None) -> tuple[Outcome, Path]:
-    """Train one run in a fresh interpreter; its stdout and stderr go to `<run_dir>/study.log`. `sys_path`: the
-    study's import path (where its plug-ins are found), when this runs elsewhere (a Ray worker)."""
-    import os
-
-    from gpo.config import to_yaml
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path, spec_path, result_path = run_dir / "study.log", run_dir / "study-spec.json", run_dir / "study-result.json"
-    spec = {"config": to_yaml(cfg), "result": str(result_path), "sys_path": [p for p in sys_path or sys.path if p]}
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gpo.study", "--child", str(spec_path)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
-        try:
-            code = proc.wait()
-        except KeyboardInterrupt:  # Ctrl-C reached the child too: let it save its checkpoint and end its run
-            proc.wait()
-            raise
-    if result_path.is_file():
-        result = json.loads(result_path.read_text())
-        outcome = Outcome(result["status"], result["error"], result["peak_rss_mb"], result["peak_gpu_mb"])
-        return outcome, log_path
-    last = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:]
-    why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    error = f"the run's process ended without a result ({why}){': ' + last[0] if last else ''}"
-    return Outcome("FAILED", error, None, None), log_path
 
 
 def _record(client: Any, experiment_id: str, parent: str, run: PlannedRun, cfg: RunConfig, outcome: Outcome) -> str:

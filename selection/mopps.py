@@ -2,6 +2,8 @@
 
 Relative to GRPO: every question carries a Beta(alpha, beta) posterior of its success rate, updated from its own
 rollouts (alpha += successes, beta += failures, after discounting the old evidence by `decay` towards the prior).
+A success is a completion that passes the task's pass criterion (`judge_on=accuracy`, selection/base.py): 3 right
+answers of 8 take the uniform prior to Beta(4, 6) however many of the wrong ones were well formatted.
 Before generation a success rate is Thompson-sampled for each candidate, and only those whose sample is nearest to
 `target` (0.5: the questions whose groups are most likely mixed, hence carry advantage) get rollouts: the
 `keep_fraction` nearest, or, with `band: [low, high]`, every candidate whose sample lies in the band.
@@ -14,8 +16,8 @@ was not in the index read for this port, so the update and `decay` below follow 
 Where gpo differs, and why:
 - The candidate set is what the allocator draws this round (it draws 1/keep_fraction times as many, through the
   pass estimate), so the step still fills its B*G slots whatever the fraction.
-- A completion counts as a success when its total reward is >= `success_threshold` (0.5 reads the built-in tasks'
-  accuracy-plus-small-format-bonus rewards right); MoPPS works with binary verifier rewards only.
+- MoPPS works with binary verifier rewards only; with `judge_on=total` (or a task without a pass criterion) a
+  completion counts as a success when its total reward is >= `success_threshold`.
 - `decay` (default 1.0, no forgetting) is exposed because the policy moves.
 - Thompson draws come from a generator seeded by (run seed, step, round): every rank and every resume agree.
 """
@@ -33,11 +35,12 @@ from torch import Tensor
 from gpo.errors import UserError
 from gpo.registry import register
 from gpo.schema import Fraction, Positive
-from gpo.selectors.variance import PASS_ESTIMATE_FLOOR, PositiveFraction, successes
+from gpo.selectors.base import PASS_RATE_FLOOR, JudgingSelector, PositiveFraction, SelectorConfig
+from gpo.types import QuestionRewards
 
 
 @dataclass(frozen=True)
-class MoppsConfig:
+class MoppsConfig(SelectorConfig):
     target: Fraction = 0.5  # the success rate a kept question is nearest to
     keep_fraction: PositiveFraction = 0.5  # share of the candidates kept (ignored when `band` is set)
     # e.g. [0.3, 0.7]: keep every candidate whose sampled rate lies inside
@@ -45,17 +48,18 @@ class MoppsConfig:
     prior_alpha: Positive = 1.0  # Beta(1, 1): uniform prior
     prior_beta: Positive = 1.0
     decay: PositiveFraction = 1.0  # old evidence is scaled by this before each update (1: none forgotten)
-    success_threshold: float = 0.5
 
 
 @register("selector", "mopps", config=MoppsConfig)
-class Mopps:
+class Mopps(JudgingSelector):
     """MoPPS: Thompson-sample each question's Beta posterior; generate for those nearest a 0.5 success rate."""
+
+    cfg: MoppsConfig
 
     def __init__(self, cfg: MoppsConfig) -> None:
         if cfg.band is not None and not cfg.band[0] < cfg.band[1]:  # each end in [0, 1] by its type
             raise UserError(f"selector.band must be [low, high] with low < high, got {list(cfg.band)}.")
-        self.cfg = cfg
+        super().__init__(cfg)
         self.posterior: dict[int, tuple[float, float]] = {}  # question -> (alpha, beta)
         self.kept_frac: float | None = cfg.keep_fraction if cfg.band is None else None
 
@@ -79,22 +83,19 @@ class Mopps:
                 keep[i] = True
         return [group_size if k else 0 for k in keep]
 
-    def continue_after(self, questions: list[int], rewards: list[Tensor], group_size: int) -> list[bool]:
-        return [True] * len(questions)  # never asked: a kept question gets its whole group at once
-
-    def observe(self, questions: list[int], rewards: list[Tensor], step: int) -> None:
+    def observe(self, questions: list[int], rewards: list[QuestionRewards], step: int) -> None:
         C = self.cfg
         for q, r in zip(questions, rewards, strict=True):
-            if not r.numel():
+            if not len(r):  # skipped this round: no evidence
                 continue
-            right = int(successes(r, C.success_threshold).sum())
+            right = self.successes(r)
             a, b = self.posterior.get(q, (C.prior_alpha, C.prior_beta))
             a = C.decay * a + (1 - C.decay) * C.prior_alpha + right
-            b = C.decay * b + (1 - C.decay) * C.prior_beta + (r.numel() - right)
+            b = C.decay * b + (1 - C.decay) * C.prior_beta + (len(r) - right)
             self.posterior[q] = (a, b)
 
-    def expected_pass_fraction(self) -> float | None:
-        return None if self.kept_frac is None else max(self.kept_frac, PASS_ESTIMATE_FLOOR)
+    def expected_pass_rate(self) -> float | None:
+        return None if self.kept_frac is None else max(self.kept_frac, PASS_RATE_FLOOR)
 
     def metrics(self) -> dict[str, float]:
         if not self.posterior:

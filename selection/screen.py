@@ -1,16 +1,17 @@
 """`screen`: SPEED-RL's screening phase (Zhang, Arora, Mei, Zanette, arXiv 2506.09016; Zanette-Labs/speed-rl).
 
 Relative to GRPO: each candidate question first gets `n_screen` completions (paper: 4); only those whose screening
-rewards are not all equal (neither all right nor all wrong: SPEED-RL keeps prompts with a pass rate strictly
-between 0 and 1) get the remaining G - n_screen, so a question that would have been a zero-advantage group costs
-n_screen rollouts instead of G. The screening completions are part of the group; none is thrown away.
+pass rate lies strictly between 0 and 1 (neither all right nor all wrong, SPEED-RL's rule) get the remaining
+G - n_screen, so a question that would have been a zero-advantage group costs n_screen rollouts instead of G. The
+screening completions are part of the group; none is thrown away. Right and wrong are the task's pass criterion
+(`judge_on=accuracy`, selection/base.py): eight wrong answers screen out whatever their formatting.
 
 Where gpo differs, and why:
 - SPEED-RL fills its batch from a buffer of qualified prompts carried across steps; gpo fills it through the
-  allocator (ceil(B*G / (k * pass estimate)) candidates and bounded refill rounds), so a step's questions and
+  allocator (ceil(B*G / (k * pass rate)) candidates and bounded refill rounds), so a step's questions and
   its rollouts stay in that step and the checkpoint needs no buffer of half-used prompts.
-- The paper's rule is on binary pass rates; for graded rewards "not all equal" means a spread above
-  `tolerance` (gpo.selectors.variance), the same definition every selector uses.
+- With `judge_on=total` (or a task without a pass criterion) the rule reads the total reward: "not all equal"
+  is then a spread above `tolerance` (gpo.ops.no_variance, the definition every selector and metric uses).
 - Within a step, the continuation of one round and the screening of the next refill round share one generation
   call (backends with a count per prompt: hf's own decoder, vllm; others share it only when G - n_screen equals
   n_screen). The size of that refill is decided before the continuation is generated, from the pruner's estimate
@@ -22,58 +23,59 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from torch import Tensor
-
 from gpo.registry import register
-from gpo.schema import Ge, NonNegative
-from gpo.selectors.variance import PASS_ESTIMATE_FLOOR, no_variance
+from gpo.schema import Ge
+from gpo.selectors.base import PASS_RATE_FLOOR, JudgingSelector, SelectorConfig
+from gpo.types import QuestionRewards
 
 
 @dataclass(frozen=True)
-class ScreenConfig:
+class ScreenConfig(SelectorConfig):
     # completions per question in the screening phase (SPEED-RL: N_init = 4); one completion has no variance
     n_screen: Annotated[int, Ge(2)] = 4
-    tolerance: NonNegative = 1e-6  # rewards within this spread count as equal (exact for binary rewards)
 
 
 @register("selector", "screen", config=ScreenConfig)
-class Screen:
-    """SPEED-RL: n_screen completions first; only questions with unequal screening rewards continue to G."""
+class Screen(JudgingSelector):
+    """SPEED-RL: n_screen completions first; only questions with a screening pass rate in (0, 1) continue to G."""
+
+    cfg: ScreenConfig
 
     def __init__(self, cfg: ScreenConfig) -> None:
-        self.cfg = cfg
+        super().__init__(cfg)
         self.screened = 0  # over the run: questions screened, and those that went on to G
-        self.passed = 0
-        self._step = {"screened": 0, "passed": 0}
+        self.continued = 0
+        self._step = {"screened": 0, "continued": 0}
 
     def first_phase(self, questions: list[int], group_size: int, seed: int) -> list[int]:
         if self.cfg.n_screen >= group_size:  # nothing to save: a screen of G is the whole group
             return [group_size] * len(questions)
         return [self.cfg.n_screen] * len(questions)
 
-    def continue_after(self, questions: list[int], rewards: list[Tensor], group_size: int) -> list[bool]:
-        verdicts = [not no_variance(r, self.cfg.tolerance) for r in rewards]
+    def continue_after(self, questions: list[int], rewards: list[QuestionRewards], group_size: int) -> list[bool]:
+        verdicts = [self.outcome(r) is None for r in rewards]  # mixed: pass rate strictly between 0 and 1
         self._step["screened"] += len(verdicts)
-        self._step["passed"] += sum(verdicts)
+        self._step["continued"] += sum(verdicts)
         return verdicts
 
-    def observe(self, questions: list[int], rewards: list[Tensor], step: int) -> None:
+    def observe(self, questions: list[int], rewards: list[QuestionRewards], step: int) -> None:
         self.screened += self._step["screened"]
-        self.passed += self._step["passed"]
-        self._step = {"screened": 0, "passed": 0}
+        self.continued += self._step["continued"]
+        self._step = {"screened": 0, "continued": 0}
 
-    def expected_pass_fraction(self) -> float | None:
+    def expected_pass_rate(self) -> float | None:
         if self.screened == 0:
             return None
-        return max(self.passed / self.screened, PASS_ESTIMATE_FLOOR)
+        return max(self.continued / self.screened, PASS_RATE_FLOOR)
 
     def metrics(self) -> dict[str, float]:
-        estimate = self.expected_pass_fraction()
-        return {} if estimate is None else {"select/pass_estimate": estimate}
+        rate = self.expected_pass_rate()
+        return {} if rate is None else {"select/pass_rate": rate}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"screened": self.screened, "passed": self.passed}
+        return {"screened": self.screened, "continued": self.continued}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.screened, self.passed = int(state["screened"]), int(state["passed"])
-        self._step = {"screened": 0, "passed": 0}
+        # "passed": the key checkpoints written before the rename hold
+        self.screened, self.continued = int(state["screened"]), int(state.get("continued", state.get("passed", 0)))
+        self._step = {"screened": 0, "continued": 0}

@@ -16,6 +16,16 @@ from gpo.tracking_store import RunRecord
 
 PLOTS = ("reward_vs_time.png", "accuracy_vs_speedup.png")
 RATE_PLOT = "rates.png"
+# The curve over training time, by preference, with its axis label and title: the first that every run logged.
+# Objectives shape `reward/mean` differently (DAPO's overlong penalty), so it is drawn only when no run logged the
+# task's own measures, and then says so.
+CURVES = {
+    "reward/success_rate": ("success rate (reward/success_rate: share of completions the task marks right)",
+                         "Success rate vs wall-clock time"),
+    "reward/task_mean": ("task reward before shaping (reward/task_mean)", "Task reward vs wall-clock time"),
+    "reward/mean": ("shaped reward (reward/mean; objectives shape it differently)",
+                    "Shaped reward vs wall-clock time (no run logged the task's success rate)"),
+}
 
 
 def _figure(width: float = 7, height: float = 4.5) -> Any:
@@ -24,20 +34,28 @@ def _figure(width: float = 7, height: float = 4.5) -> Any:
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
-def _curve(r: RunRecord) -> dict[int, tuple[float, float]]:
-    """step -> (seconds of training at the step's end, reward/mean)."""
-    times = dict(r.history["time/step"])
-    points = [(s, v) for s, v in r.history["reward/mean"] if s in times]
+def curve_metric(records: Sequence[RunRecord]) -> str:
+    """The first of CURVES that every run with step times logged (reward/mean when none is shared)."""
+    timed = [r for r in records if r.history.get("time/step")]
+    return next((k for k in CURVES if timed and all(r.history.get(k) for r in timed)), "reward/mean")
+
+
+def _curve(r: RunRecord, metric: str) -> dict[int, tuple[float, float]]:
+    """step -> (seconds of training at the step's end, the metric)."""
+    times = dict(r.history.get("time/step", []))
+    points = [(s, v) for s, v in r.history.get(metric, []) if s in times]
     elapsed = itertools.accumulate(times[s] for s, _ in points)
     return {s: (t, v) for (s, v), t in zip(points, elapsed)}
 
 
 def reward_vs_time(records: Sequence[RunRecord], path: Path) -> Path:
+    """The task's success rate (else its reward before shaping, see CURVES) against training time, per group."""
+    metric = curve_metric(records)
     fig = _figure()
     ax = fig.add_subplot()
     order = list(dict.fromkeys(r.group for r in records))
     for i, group in enumerate(order, start=1):
-        curves = [c for c in (_curve(r) for r in records if r.group == group) if c]
+        curves = [c for c in (_curve(r, metric) for r in records if r.group == group) if c]
         if not curves:
             continue
         steps = sorted(set.intersection(*[set(c) for c in curves]))  # steps every seed reached
@@ -48,8 +66,8 @@ def reward_vs_time(records: Sequence[RunRecord], path: Path) -> Path:
         if len(curves) > 1:
             ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
     ax.set_xlabel("training time (s, sum of step times; mean over seeds)")
-    ax.set_ylabel("reward/mean")
-    ax.set_title("Reward vs wall-clock time")
+    ax.set_ylabel(CURVES[metric][0])
+    ax.set_title(CURVES[metric][1])
     if ax.has_data():
         ax.legend(fontsize="small")
     else:

@@ -20,7 +20,8 @@ def write_outputs(records: Sequence[RunRecord], out_dir: Path, title: str, notes
     base = next((r["group"] for r in rows if r["baseline"]), "")
     lines = [f"# {title}", "", *[f"- {n}" for n in notes],
              f"- Baseline for speed-ups: `{base}` (each run against the baseline run of its own seed). train_s sums "
-             "the per-step times (evaluation and saving excluded); wall_s is the whole run.", ""]
+             "the per-step times (evaluation and saving excluded); wall_s is the whole run.",
+             f"- {tables.REWARD_NOTE}", ""]
     if tables.has_replicates(rows):
         group_columns, group_rows = tables.group_csv_rows(summary)
         written.append(tables.write_csv(out_dir / "groups.csv", group_columns, group_rows))
@@ -39,6 +40,8 @@ def write_outputs(records: Sequence[RunRecord], out_dir: Path, title: str, notes
     figures = [plots.reward_vs_time(records, out_dir / plots.PLOTS[0]),
                plots.accuracy_vs_speedup(rows, summary, out_dir / plots.PLOTS[1])]
     lines += [f"![{p.stem}]({p.name})" for p in figures]
+    curve = plots.curve_metric(records)  # the caption says which measure the curve shows
+    lines += ["", f"{figures[0].name} shows `{curve}` against training time: {plots.CURVES[curve][0]}."]
     md = out_dir / "study.md"
     md.write_text("\n".join(lines) + "\n")
     return [*written, md, *figures]

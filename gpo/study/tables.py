@@ -6,6 +6,10 @@
     rates.csv / rates.md        a pruning-rate grid in the CPPO paper's layout (rate, k kept of G, accuracy,
                                 time, speed-up vs the baseline, tokens generated and trained)
 `train_s` sums the per-step times (evaluation and saving excluded); `wall_s` is the whole run.
+
+Runs are compared on what every objective shares: the task's success rate and its own reward, never the shaped total
+`reward/mean`, which each objective shapes its own way (DAPO's overlong penalty put its reward/mean near -0.5 where
+GRPO's was +0.2 on the same task).
 """
 
 from __future__ import annotations
@@ -20,15 +24,26 @@ from gpo.study.stats import Interval, difference_interval, mean_interval, paired
 from gpo.tracking_store import PEAK_GPU, PEAK_RSS, RunRecord
 
 RUN_COLUMNS = ["run", "combination", "group", "seed", "baseline", "status", "error", "acc_before", "acc_after",
-               "final_reward", "train_s", "speedup", "kept_frac", "tokens_generated", "tokens_trained",
-               "questions_dropped_frac", "completions_frac", "tokens_per_useful_row", "peak_rss_mb", "peak_gpu_mb",
-               "wall_s", "run_id"]
+               "final_success_rate", "final_task_reward", "train_s", "speedup", "kept_frac", "tokens_generated",
+               "tokens_trained", "questions_dropped_frac", "completions_frac", "tokens_per_useful_row", "peak_rss_mb",
+               "peak_gpu_mb", "wall_s", "run_id"]
 # Final evaluation metrics beyond eval/after/accuracy: sampled-evaluation scores and further tasks (eval.tasks).
 EXTRA_EVAL = re.compile(r"eval/after/(?:(?P<task>[\w.-]+)/)?(?P<metric>accuracy|(?:pass|avg|maj)_at_\d+)")
-FORMATS = {"acc_before": "{:.3f}", "acc_after": "{:.3f}", "final_reward": "{:.3f}", "train_s": "{:.1f}",
+FORMATS = {"acc_before": "{:.3f}", "acc_after": "{:.3f}", "final_success_rate": "{:.3f}",
+           "final_task_reward": "{:.3f}", "train_s": "{:.1f}",
            "speedup": "{:.2f}x", "kept_frac": "{:.3f}", "tokens_generated": "{:.0f}", "tokens_trained": "{:.0f}",
            "questions_dropped_frac": "{:.3f}", "completions_frac": "{:.3f}", "tokens_per_useful_row": "{:.1f}",
            "peak_rss_mb": "{:.0f}", "peak_gpu_mb": "{:.0f}", "wall_s": "{:.1f}"}
+# The step metrics the final columns read, by preference. The mean of the task's pass criterion: runs logged before
+# `reward/success_rate` existed have it as `reward/accuracy_mean` (the criterion is `accuracy` unless a task names
+# another). The task's reward before any objective's shaping.
+SUCCESS_RATE_KEYS = ("reward/success_rate", "reward/accuracy_mean")
+TASK_REWARD_KEYS = ("reward/task_mean",)
+REWARD_NOTE = ("final_success_rate: the last step's success rate (`reward/success_rate`, or `reward/accuracy_mean` "
+               "where a run logged no success rate), the share of its completions that the task's pass criterion "
+               "marks right; "
+               "final_task_reward: the last step's task reward before any objective's shaping (`reward/task_mean`). "
+               "Runs are not compared on the shaped reward (`reward/mean`): objectives shape it differently.")
 
 
 # --- one row per run ----------------------------------------------------------------------------------------------
@@ -82,7 +97,6 @@ def table(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     for i, r in enumerate(records, start=1):
         times = [v for _, v in r.history["time/step"]]
         kept = [v for _, v in r.history["prune/kept_frac"]]
-        rewards = r.history["reward/mean"]
         row: dict[str, Any] = {
             "run": i,
             "combination": r.combination or r.name,
@@ -94,7 +108,8 @@ def table(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "acc_before": r.metrics.get("eval/before/accuracy"),
             "acc_after": r.metrics.get("eval/after/accuracy"),
             **{c: _extra_metric(r, c) for c in extras},
-            "final_reward": r.metrics.get("final/reward_mean", rewards[-1][1] if rewards else None),
+            "final_success_rate": _last(r, SUCCESS_RATE_KEYS),
+            "final_task_reward": _last(r, TASK_REWARD_KEYS),
             "train_s": sum(times) if times else None,
             "speedup": None,
             "kept_frac": sum(kept) / len(kept) if kept else None,
@@ -115,6 +130,11 @@ def table(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
         if base is not None and _finished(base) and _finished(row):
             row["speedup"] = base["train_s"] / row["train_s"]
     return rows
+
+
+def _last(record: RunRecord, keys: Sequence[str]) -> float | None:
+    """The latest value of the first of `keys` the run logged (a step metric's latest is its last step's)."""
+    return next((record.metrics[k] for k in keys if k in record.metrics), None)
 
 
 def baseline_indices(records: Sequence[RunRecord]) -> list[int]:

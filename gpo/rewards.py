@@ -1,6 +1,8 @@
 """Guarded scoring: a task's reward function on one batch of completions, so a failure is never a silent wrong reward.
 
-A task's `reward` should not raise on model output (DESIGN.md), but a plug-in task may, on one odd completion.
+A task's `reward` should not raise on model output (docs/architecture.md), but a plug-in task may, on one odd
+completion, and a user's own reward function (`task=dataset`'s `task.rewards`) may raise, overrun its time bound or
+return NaN.
 What happens then is the task's choice, through its attribute `reward_errors`:
 
 - "raise" (the default): the run stops with a `UserError` that names the task, the exception and where it was
@@ -15,10 +17,14 @@ What happens then is the task's choice, through its attribute `reward_errors`:
 Either way what comes back is checked: one value per completion in `total` and in every component (else the task
 is broken: a `UserError`), and finite numbers. A NaN or infinite score is treated as that completion raising: it
 would otherwise spread through the group's mean and standard deviation into every advantage of the group.
+
+`completion_ids` (each completion's generated token ids), when the caller has them, reach a task whose `reward`
+takes a `completion_ids` keyword (`task=dataset` hands them to TRL-style functions); other tasks never see them.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import traceback
 from typing import Any
@@ -37,24 +43,39 @@ def reward_errors_policy(task: Any, name: str) -> str:
     return policy
 
 
-def score(task: Any, name: str, completions: list[str], examples: list[Example]) -> Rewards:
+def score(task: Any, name: str, completions: list[str], examples: list[Example],
+          completion_ids: list[list[int]] | None = None) -> Rewards:
     """`task.reward(completions, examples)`, checked, with the task's `reward_errors` policy applied."""
     policy = reward_errors_policy(task, name)
+    reward = _reward_fn(task, completion_ids)
     try:
-        rewards = _checked(task.reward(completions, examples), len(completions), name)
+        rewards = _checked(reward(completions, examples, None), len(completions), name)
     except _BadScore as exc:
         if policy == RAISE:
-            raise _stop(name, exc.cause, _first_failure(task, completions, examples, name)) from exc.cause
-        return _one_by_one(task, name, completions, examples)
+            raise _stop(name, exc.cause, _first_failure(reward, completions, examples, name)) from exc.cause
+        return _one_by_one(reward, name, completions, examples)
     except UserError:
         raise
     except Exception as exc:
         if policy == RAISE:
-            raise _stop(name, exc, _first_failure(task, completions, examples, name)) from exc
-        return _one_by_one(task, name, completions, examples)
+            raise _stop(name, exc, _first_failure(reward, completions, examples, name)) from exc
+        return _one_by_one(reward, name, completions, examples)
     if policy == ZERO:
         rewards.metrics = {**rewards.metrics, ERRORS_METRIC: 0.0}
     return rewards
+
+
+def _reward_fn(task: Any, completion_ids: list[list[int]] | None) -> Any:
+    """`task.reward` as fn(completions, examples, rows): `rows` picks the completions' ids (None: all of them)."""
+    takes_ids = completion_ids is not None and "completion_ids" in inspect.signature(task.reward).parameters
+
+    def reward(completions: list[str], examples: list[Example], rows: list[int] | None) -> Rewards:
+        if not takes_ids or completion_ids is None:
+            return task.reward(completions, examples)
+        ids = completion_ids if rows is None else [completion_ids[i] for i in rows]
+        return task.reward(completions, examples, completion_ids=ids)
+
+    return reward
 
 
 class _BadScore(Exception):
@@ -85,13 +106,13 @@ def _finite(value: Any) -> bool:
         return False
 
 
-def _one_by_one(task: Any, name: str, completions: list[str], examples: list[Example]) -> Rewards:
+def _one_by_one(reward: Any, name: str, completions: list[str], examples: list[Example]) -> Rewards:
     """Score each completion alone; those that fail get 0 everywhere and are counted."""
     scored: list[Rewards | None] = []
     last_error: Exception | None = None
-    for completion, example in zip(completions, examples, strict=True):
+    for i, (completion, example) in enumerate(zip(completions, examples, strict=True)):
         try:
-            scored.append(_checked(task.reward([completion], [example]), 1, name))
+            scored.append(_checked(reward([completion], [example], [i]), 1, name))
         except UserError:
             raise
         except _BadScore as exc:
@@ -119,11 +140,11 @@ def _one_by_one(task: Any, name: str, completions: list[str], examples: list[Exa
     )
 
 
-def _first_failure(task: Any, completions: list[str], examples: list[Example], name: str) -> str:
+def _first_failure(reward: Any, completions: list[str], examples: list[Example], name: str) -> str:
     """Which completion the reward function fails on alone, for the error message ('' if none does)."""
     for i, (completion, example) in enumerate(zip(completions, examples, strict=True)):
         try:
-            _checked(task.reward([completion], [example]), 1, name)
+            _checked(reward([completion], [example], [i]), 1, name)
         except Exception:
             shown = completion if len(completion) <= 200 else completion[:200] + "..."
             return f" It fails on completion {i} of the batch alone: {shown!r}."
@@ -133,7 +154,8 @@ def _first_failure(task: Any, completions: list[str], examples: list[Example], n
 def _stop(name: str, exc: Exception, where: str) -> UserError:
     return UserError(
         f"task `{name}`: reward raised {_describe(exc)}.{where} Fix the reward function, or, if scoring such a "
-        f"completion 0 is right, set `reward_errors = \"zero\"` on the task class (counted in reward/errors)."
+        f"completion 0 is right, set `reward_errors = \"zero\"` on the task class, or `task.reward_errors=zero` for "
+        f"task=dataset (counted in reward/errors)."
     )
 
 

@@ -3,4 +3,4 @@
 Importing this package registers every built-in task.
 """
 
-from gpo.tasks import aime24, amc23, arith, gsm8k, math  # noqa: F401  (registers the tasks)
+from gpo.tasks import aime24, amc23, arith, dataset, gsm8k, math  # noqa: F401  (registers the tasks)

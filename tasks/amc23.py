@@ -1,6 +1,6 @@
 """`amc23`: the 40 problems of AMC 12 2023 A and B, evaluation only (see gpo/tasks/competition.py).
 
-Local copy: `task.data_dir=../shared/data` reads amc23/test.jsonl (QwenLM/Qwen2.5-Math's file, in the layout of
+Local copy: `task.data_dir=DIR` reads amc23/test.jsonl (QwenLM/Qwen2.5-Math's file, in the layout of
 the Hub dataset math-ai/amc23, read by default).
 """
 
@@ -9,16 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpo.registry import register
-from gpo.tasks.competition import SYSTEM_PROMPT, CompetitionSet
-from gpo.tasks.data import BadRows, DataDir, DataSource
+from gpo.tasks.competition import CompetitionConfig, CompetitionSet
+from gpo.tasks.data import DataSource
 
 
 @dataclass(frozen=True)
-class AMC23Config:
+class AMC23Config(CompetitionConfig):
     test: DataSource = DataSource("math-ai/amc23", None, "test")
-    data_dir: DataDir | None = None  # a local copy laid out like ../shared/data (amc23/test.jsonl); wins when set
-    bad_rows: BadRows = "error"
-    system_prompt: str = SYSTEM_PROMPT
 
 
 @register("task", "amc23", config=AMC23Config)

@@ -3,7 +3,7 @@
 Everything here is pure and linear in the completion's length: a policy can emit 100 KB of braces or tags,
 and the reward must still come back in bounded time (no regex that can backtrack quadratically).
 
-Fixes relative to the CPPO reference's reward helpers (reference section 8.10):
+Fixes relative to the reward helpers of the CPPO paper's released code (arXiv 2503.22342):
   * the R1 format check no longer lets text after `</answer>` pass (the reference's MULTILINE `$` did),
     and it accepts any whitespace between the blocks instead of exactly one newline;
   * numbers keep their minus sign, and `$`, thousands commas and a trailing full stop are dropped first.

@@ -4,7 +4,7 @@ Not from a paper: it exists so `gpo run` trains something real offline in minute
 structure of the CPPO paper's tasks (arXiv 2503.22342: format + accuracy), but is lenient where GSM8K is strict,
 because a 135M model must get a learning signal: the answer is read from an `<answer>` tag or, failing that,
 from the last number in the completion, and the format (an answer tag) carries a small weight. With one-digit
-operands SmolLM2-135M-Instruct at T=1 is right often enough that most groups of 8 are mixed (DESIGN.md);
+operands SmolLM2-135M-Instruct at T=1 is right often enough that most groups of 8 are mixed;
 the plain question style ("What is 3 + 5?") is the default because at T=1 the model does about three times better on it
 than on the same sum told as a story (configs/task/arith.yaml has the figures).
 
@@ -92,6 +92,8 @@ def predicted_answer(completion: str) -> str | None:
 @register("task", "arith", config=ArithConfig)
 class Arith:
     """Seeded arithmetic word problems (no download): lenient accuracy + a lightly weighted answer tag."""
+
+    pass_criterion = "accuracy"  # the reward component that says a completion is right (gpo.types.pass_criterion)
 
     def __init__(self, cfg: ArithConfig) -> None:
         if not cfg.operators:  # each operator is checked by its annotation; an empty tuple gives nothing to draw

@@ -11,15 +11,17 @@ predicted "25" or "25.0" agree; no symbolic verifier is needed (or run) for whol
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpo.errors import UserError
-from gpo.tasks.answers import as_decimal, numbers, r1_formatted, weighted_rewards
-from gpo.tasks.data import read_rows, resolve
+from gpo.tasks.answers import as_decimal, numbers
+from gpo.tasks.base import DatasetTask
+from gpo.tasks.data import BadRows, DataDir, DataSource, read_rows, resolve
 from gpo.tasks.math import CORRECT, SYSTEM_PROMPT, predicted_answer
-from gpo.types import Example, Grade, Messages, Rewards
+from gpo.types import Example
 
-__all__ = ["CompetitionSet", "SYSTEM_PROMPT"]
+__all__ = ["CompetitionConfig", "CompetitionSet", "SYSTEM_PROMPT"]
 
 
 def same_integer(prediction: str | None, gold: str) -> bool:
@@ -37,15 +39,40 @@ def gold_answer(row: Example) -> str:
     return str(row.get("answer") if row.get("answer") is not None else "").strip()
 
 
-class CompetitionSet:
+@dataclass(frozen=True)
+class CompetitionConfig:
+    """What aime24 and amc23 take; each config only names its own Hub dataset as the `test` default."""
+
+    test: DataSource = DataSource()
+    data_dir: DataDir | None = None  # a local copy DIR laid out as (LOCAL_FILE under it); wins when set
+    bad_rows: BadRows = "error"
+    system_prompt: str = SYSTEM_PROMPT
+
+
+class CompetitionSet(DatasetTask):
     """The shared behaviour of `aime24` and `amc23`; each subclass names its file and its Hub dataset."""
 
     NAME = ""
-    LOCAL_FILE = ""  # under task.data_dir (or $GPO_DATA_DIR), laid out like ../shared/data
+    LOCAL_FILE = ""  # under task.data_dir (or $GPO_DATA_DIR), DIR laid out as
+    QUESTION = "problem"
+    REQUIRED = ("problem", "answer")
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
         self._test: list[Example] | None = None
+
+    def gold(self, row: Example) -> str:
+        return gold_answer(row)
+
+    def extract(self, completion: str) -> str | None:
+        return predicted_answer(completion)
+
+    def judge(self, completions: list[str], examples: list[Example]) -> tuple[list[float], dict[str, float]]:
+        pairs = zip(completions, examples, strict=True)
+        return [CORRECT if same_integer(predicted_answer(c), ex["gold"]) else 0.0 for c, ex in pairs], {}
+
+    def weights(self) -> tuple[float, float]:
+        return 1.0, 1.0  # the math task's scale, for completeness: these sets are not trained on
 
     def load(self, split: str) -> Sequence[Example]:
         if split != "test":
@@ -54,30 +81,9 @@ class CompetitionSet:
                 f"this one with `eval.tasks=[{self.NAME}]`, or run `gpo eval task={self.NAME}`.")
         if self._test is None:
             source = resolve(self.cfg.test, self.cfg.data_dir, self.LOCAL_FILE)
-            rows = read_rows(source, required=("problem", "answer"), gold=gold_answer, bad_rows=self.cfg.bad_rows)
+            rows = read_rows(source, required=self.REQUIRED, gold=self.gold, bad_rows=self.cfg.bad_rows)
             bad = [r["gold"] for r in rows if as_decimal(r["gold"]) is None]
             if bad:
                 raise UserError(f"`{self.NAME}` answers must be whole numbers, got {bad[:5]} in {source.path}.")
             self._test = rows
         return self._test
-
-    def prompt(self, example: Example) -> Messages:
-        return [{"role": "system", "content": self.cfg.system_prompt}, {"role": "user", "content": example["problem"]}]
-
-    def reward(self, completions: list[str], examples: list[Example]) -> Rewards:
-        """The math task's scale (format 1, accuracy 2), for completeness: these sets are not trained on."""
-        fmt = [float(r1_formatted(c)) for c in completions]
-        acc = [CORRECT if g.correct else 0.0 for g in self.grade(completions, examples)]
-        return weighted_rewards(fmt, acc, 1.0, 1.0)
-
-    def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]:
-        grades = []
-        for completion, example in zip(completions, examples, strict=True):
-            extracted = predicted_answer(completion)
-            grades.append(Grade(extracted=extracted, gold=example["gold"],
-                                correct=same_integer(extracted, example["gold"]), formatted=r1_formatted(completion)))
-        return grades
-
-    def close(self) -> None:
-        """Nothing to free: whole numbers are compared in this process, no verifier workers are started."""
-

@@ -2,7 +2,7 @@
 
 A task names one `DataSource` per stored split (train, test); the validation split is carved out of train here,
 seeded and disjoint from the train rows the task then serves, so checkpoints are never selected on test (the
-CPPO reference selected its best checkpoint on the test set, reference section 5). A bad row fails loudly with
+CPPO reference selected its best checkpoint on the test set, arXiv 2503.22342). A bad row fails loudly with
 its file and row number instead of turning into a silent zero reward halfway through a run.
 """
 
@@ -28,7 +28,7 @@ DATA_DIR_ENV = "GPO_DATA_DIR"
 
 # What a row without a usable question or answer does: fail naming it, or be left out with a warning.
 BadRows = Literal["error", "skip"]
-# A task's `data_dir`: a local copy laid out like ../shared/data; one that does not exist fails at compose time.
+# A task's `data_dir`: a local copy DIR laid out as the task expects; one that does not exist fails at compose time.
 DataDir = ExistingDir
 
 
@@ -59,7 +59,7 @@ def as_source(value: DataSource | dict[str, Any]) -> DataSource:
 
 def resolve(source: DataSource | dict[str, Any], data_dir: str | None, local_file: str) -> DataSource:
     """Where a split is read from: `data_dir/local_file` when the task's `data_dir` is set (a local copy laid
-    out like ../shared/data: gsm8k/test.jsonl, ...), else `source`; a Hub `source` is replaced by
+    out as the tasks expect: gsm8k/test.jsonl, ...), else `source`; a Hub `source` is replaced by
     `$GPO_DATA_DIR/local_file` when that variable is set (machines without Hub access set it once)."""
     source = as_source(source)
     data_dir = data_dir or (None if is_local(source.path) else os.environ.get(DATA_DIR_ENV))
@@ -165,7 +165,7 @@ def _read_hub(source: DataSource) -> list[Example]:
     except Exception as exc:
         raise UserError(
             f"cannot load Hub dataset `{source.path}` (config {source.name!r}, split {source.split!r}): {exc}. "
-            f"Offline? Point the task at local files: `task.data_dir=../shared/data` or {DATA_DIR_ENV}=DIR."
+            f"Offline? Point the task at local files: `task.data_dir=DIR` or {DATA_DIR_ENV}=DIR."
         ) from exc
     return [dict(row) for row in dataset]
 

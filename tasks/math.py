@@ -1,6 +1,6 @@
 """`math`: competition mathematics (MATH, Hendrycks et al. 2021, arXiv 2103.03874), as CPPO trains on it.
 
-Rewards follow the CPPO paper's open-r1 MATH recipe (arXiv 2503.22342; reference section 3): an R1-style format
+Rewards follow the CPPO paper's open-r1 MATH recipe (arXiv 2503.22342): an R1-style format
 reward (1) plus accuracy (2 when math-verify judges the answer equal to the gold), weighted 1:1. Changed relative
 to the reference (its sections 3 and 8): the gold comes from the explicit `answer` column instead of being parsed
 out of worked solutions; the prediction is the last `\\boxed{}` (inside the `<answer>` tag when there is one)
@@ -24,16 +24,16 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from gpo.registry import register
-from gpo.schema import NonNegative, NonNegativeInt, Positive
-from gpo.tasks.answers import answer_tag, last_boxed, r1_formatted, weighted_rewards
-from gpo.tasks.data import BadRows, DataDir, DataSource, SplitCache, read_rows, resolve
-from gpo.types import Example, Grade, Messages, Rewards
+from gpo.schema import NonNegativeInt, Positive
+from gpo.tasks.answers import answer_tag, last_boxed
+from gpo.tasks.base import DatasetTask, StoredSplitsConfig
+from gpo.tasks.data import BadRows, DataSource
+from gpo.types import Example
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant that solves competition mathematics problems. First reason step by step "
@@ -51,17 +51,12 @@ Verdict = tuple[str, bool]  # (status, correct)
 
 
 @dataclass(frozen=True)
-class MathConfig:
+class MathConfig(StoredSplitsConfig):
     train: DataSource = DataSource("DigitalLearningGmbH/MATH-lighteval", None, "train")
     test: DataSource = DataSource("HuggingFaceH4/MATH-500", None, "test")
-    data_dir: DataDir | None = None  # a local copy laid out like ../shared/data (math/test500.jsonl); wins when set
-    validation_size: NonNegativeInt = 256  # rows carved from train for checkpoint selection
-    split_seed: int = 0
     # MATH train holds two multiple-choice problems whose final answer is empty (rows 5342 and 5344 of the
-    # ../shared/data copy): they are left out with a warning rather than refuse to train.
+    # a local copy): they are left out with a warning rather than refuse to train.
     bad_rows: BadRows = "skip"
-    format_weight: NonNegative = 1.0
-    accuracy_weight: NonNegative = 1.0
     verify_timeout_s: Positive = 5.0  # wall-time bound for verifying one completion (math-verify's default)
     workers: NonNegativeInt = 0  # verification processes; 0 = the cores this process may use
     system_prompt: str = SYSTEM_PROMPT
@@ -84,43 +79,31 @@ def predicted_answer(completion: str) -> str | None:
 
 
 @register("task", "math", config=MathConfig)
-class Math:
+class Math(DatasetTask):
     """MATH problems: R1 format reward + math-verify accuracy, verified in time-bounded worker processes."""
 
+    QUESTION = "problem"
+    REQUIRED = ("problem",)
     LOCAL_FILES = {"train": "math/train.jsonl", "test": "math/test500.jsonl"}
 
     def __init__(self, cfg: MathConfig) -> None:
-        self.cfg = cfg
-        self._splits = SplitCache(self._read, cfg.validation_size, cfg.split_seed)
+        super().__init__(cfg)
         self._pool: VerifierPool | None = None  # started on the first reward, then reused
 
-    def _read(self, split: str) -> list[Example]:
-        source = resolve(getattr(self.cfg, split), self.cfg.data_dir, self.LOCAL_FILES[split])
-        return read_rows(source, required=("problem",), gold=gold_answer, bad_rows=self.cfg.bad_rows)
+    def gold(self, row: Example) -> str:
+        return gold_answer(row)
 
-    def load(self, split: str) -> Sequence[Example]:
-        return self._splits.get(split)
+    def extract(self, completion: str) -> str | None:
+        return predicted_answer(completion)
 
-    def prompt(self, example: Example) -> Messages:
-        return [{"role": "system", "content": self.cfg.system_prompt}, {"role": "user", "content": example["problem"]}]
-
-    def reward(self, completions: list[str], examples: list[Example]) -> Rewards:
-        fmt = [float(r1_formatted(c)) for c in completions]
-        verdicts = self._judge(completions, examples)
-        acc = [CORRECT if correct else 0.0 for _, correct in verdicts]
-        statuses = [status for status, _ in verdicts]
-        failures = {"verify_timeouts": TIMEOUT, "verify_errors": ERROR, "verify_workers_lost": WORKER_LOST}
-        metrics = {name: float(statuses.count(status)) for name, status in failures.items()}
-        metrics["verify_failures"] = sum(metrics.values())
-        metrics["gold_unparsed"] = float(statuses.count(GOLD_UNPARSED))
-        return weighted_rewards(fmt, acc, self.cfg.format_weight, self.cfg.accuracy_weight, metrics)
-
-    def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]:
-        verdicts = self._judge(completions, examples)
-        return [
-            Grade(extracted=predicted_answer(c), gold=ex["gold"], correct=correct, formatted=r1_formatted(c))
-            for c, ex, (_, correct) in zip(completions, examples, verdicts, strict=True)
-        ]
+    def judge(self, completions: list[str], examples: list[Example]) -> tuple[list[float], dict[str, float]]:
+        if len(completions) != len(examples):
+            raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
+        predictions = [predicted_answer(c) for c in completions]
+        if self._pool is None and any(p is not None for p in predictions):
+            self._pool = VerifierPool(self.cfg.workers or available_cores(), self.cfg.verify_timeout_s)
+        verdicts = verify_answers(self._pool, [ex["gold"] for ex in examples], predictions)
+        return [CORRECT if correct else 0.0 for _, correct in verdicts], verify_metrics(verdicts)
 
     def close(self) -> None:
         """Stop the verification workers (they also stop with this process). Safe to call twice; a later reward
@@ -129,19 +112,27 @@ class Math:
             self._pool.close()
             self._pool = None
 
-    def _judge(self, completions: list[str], examples: list[Example]) -> list[Verdict]:
-        if len(completions) != len(examples):
-            raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
-        predictions = [predicted_answer(c) for c in completions]
-        todo = [i for i, p in enumerate(predictions) if p is not None]
-        verdicts: list[Verdict] = [(OK, False)] * len(completions)  # no answer: nothing to verify, 0
-        if todo:
-            if self._pool is None:
-                self._pool = VerifierPool(self.cfg.workers or available_cores(), self.cfg.verify_timeout_s)
-            results = self._pool.run([(examples[i]["gold"], str(predictions[i])) for i in todo])  # not None: todo
-            for i, verdict in zip(todo, results):
-                verdicts[i] = verdict
-        return verdicts
+
+def verify_answers(pool: VerifierPool | None, golds: list[str], predictions: list[str | None]) -> list[Verdict]:
+    """Each prediction verified against its gold in `pool`; no prediction is wrong without a verification."""
+    todo = [i for i, p in enumerate(predictions) if p is not None]
+    verdicts: list[Verdict] = [(OK, False)] * len(predictions)
+    if todo:
+        assert pool is not None, "a pool is needed to verify predictions"
+        results = pool.run([(golds[i], str(predictions[i])) for i in todo])
+        for i, verdict in zip(todo, results, strict=True):
+            verdicts[i] = verdict
+    return verdicts
+
+
+def verify_metrics(verdicts: list[Verdict]) -> dict[str, float]:
+    """Counts of the verifications that did not finish, and of golds math-verify could not read."""
+    statuses = [status for status, _ in verdicts]
+    failures = {"verify_timeouts": TIMEOUT, "verify_errors": ERROR, "verify_workers_lost": WORKER_LOST}
+    metrics = {name: float(statuses.count(status)) for name, status in failures.items()}
+    metrics["verify_failures"] = sum(metrics.values())
+    metrics["gold_unparsed"] = float(statuses.count(GOLD_UNPARSED))
+    return metrics
 
 
 def available_cores() -> int:

@@ -33,6 +33,27 @@ A `model=` value that is not a shipped model config is taken as a path, a .gguf 
 """
 
 
+STUDY_HELP = """\
+arguments are those of `gpo run`; a comma list (`pruner=none,topk`, `pruner.rate=0.5,0.75`) is a grid axis,
+and every combination runs. How the grid runs is set with `study.KEY=VALUE` (or a `study:` section of an
+experiment or --config file):
+  study.seeds=N             replicates: each combination with seed, seed+1, ... (or give `seed=1,2,3` as an axis)
+  study.parallel=N          runs at once on this machine (on GPUs each gets engine.num_processes devices)
+  study.resume=DIR          continue the study in DIR: finished runs are kept, failed/killed/missing ones run again
+  study.launcher=local|ray  ray: each run a Ray task (pip install gpo[ray]); with study.cpus_per_run=C and
+                            study.ray_address=ADDRESS (default: start a local Ray)
+  study.keep_checkpoints=true  keep each finished run's training checkpoints (deleted by default)
+
+examples:
+  gpo study algo=grpo,dapo pruner=none,topk pruner.rate=0.5,0.75 task=arith train.steps=30
+  gpo study experiment=NAME                                 # the experiment YAML carries `grid:`
+  gpo study pruner=none,topk study.seeds=3                  # 3 seeds per combination, confidence intervals
+  gpo study algo=grpo,dapo study.parallel=2                 # two runs at a time
+  gpo study study.resume=runs/study-20261205-101500         # rerun only what did not finish
+  gpo study algo=grpo,dapo study.launcher=ray study.cpus_per_run=2
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -91,9 +112,7 @@ def _parser() -> argparse.ArgumentParser:
                  "  gpo eval model=smollm2 task=arith limit=100 backend=hf\n")
     overrides(ev)
 
-    study = command("study", _study, "run a grid of combinations and compare them",
-                    "examples:\n  gpo study algo=grpo,dapo pruner=none,topk pruner.rate=0.5,0.75 task=arith "
-                    "train.steps=30\n  gpo study experiment=NAME\n")
+    study = command("study", _study, "run a grid of combinations and compare them", STUDY_HELP)
     overrides(study)
     study.add_argument("--baseline", metavar="'K=V ...'",
                        help="the run speed-ups are measured against, by its settings (default: the first run)")
@@ -112,9 +131,11 @@ def _compose(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> int:
+    from gpo import preflight
     from gpo.config import to_yaml
 
     cfg = _compose(args)
+    preflight.check(cfg)  # before the dry run's print and before anything loads
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
@@ -124,9 +145,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    from gpo import preflight
     from gpo.config import to_yaml
 
-    print(to_yaml(_compose(args)), end="")
+    cfg = _compose(args)
+    preflight.check(cfg)
+    print(to_yaml(cfg), end="")
     return 0
 
 

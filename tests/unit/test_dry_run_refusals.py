@@ -1,0 +1,186 @@
+"""Bad values that `gpo run --dry-run` refuses before anything loads: exit code 2, one line naming the key, no
+traceback (config rules in gpo.schema and gpo.config, machine checks in gpo.preflight); and `gpo study --help`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpo import checkpoint, cli
+from gpo.run_config import StudyConfig
+from gpo.schema import valid_run_name, valid_tracking_uri
+from kit import run_gpo_all
+
+QUICK = ["tracker=none", "backend=hf"]  # the cases below set the key they are about on top of these
+
+
+def refused(capsys, *args: str) -> str:
+    """The one error line of `gpo run --dry-run ARGS`, after checking exit code 2 and that nothing else printed."""
+    assert cli.main(["run", "--dry-run", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpo: error: "), err
+    return lines[0]
+
+
+def make_checkpoint(run_dir: Path, step: int) -> Path:
+    path = run_dir / "checkpoints" / f"{checkpoint.PREFIX}{step}"
+    path.mkdir(parents=True)
+    (path / checkpoint.STATE_FILE).write_text(json.dumps({"step": step}))
+    return path
+
+
+# --- counts that must fit in the group --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, says", [
+    (["selector=screen", "selector.n_screen=9", "train.group_size=8"], "selector.n_screen=9 is not smaller than "
+                                                                       "train.group_size=8"),
+    (["selector=screen", "selector.n_screen=8", "train.group_size=8"], "must be < 8"),  # screens the whole group
+    (["selector=screen", "train.group_size=4"], "selector.n_screen=4"),  # the default n_screen against a small G
+    (["pruner=topk", "pruner.keep=9", "train.group_size=8"], "`pruner.keep` with train.group_size=8"),
+    # k = 2 - round(2 * 0.75) = 2 - round(1.5) = 0 (half rounds up): nothing would be kept
+    (["pruner=topk", "pruner.rate=0.75", "train.group_size=2"], "keeps 0 of a group of 2"),
+    (["pruner=threshold", "pruner.min_keep_per_group=5", "train.group_size=4"], "pruner.min_keep_per_group=5"),
+])
+def test_a_count_larger_than_the_group_is_refused(capsys, args, says):
+    assert says in refused(capsys, *QUICK, *args)
+
+
+# --- where the run is written -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../elsewhere", "a/b", "/abs", "..", ".", "a\\b"])
+def test_a_run_name_that_leaves_output_dir_is_refused(capsys, tmp_path, name):
+    line = refused(capsys, *QUICK, f"output_dir={tmp_path}", f"run_name={name}")
+    assert "`run_name`" in line
+    assert not any(tmp_path.iterdir())  # and nothing was created
+
+
+def test_an_output_dir_that_is_a_file_is_refused(capsys, tmp_path):
+    (tmp_path / "taken").write_text("")
+    assert "output_dir=" in refused(capsys, *QUICK, f"output_dir={tmp_path / 'taken'}")
+    assert "is a file" in refused(capsys, *QUICK, f"output_dir={tmp_path / 'taken' / 'below'}")
+
+
+def test_a_run_folder_that_is_a_file_is_refused(capsys, tmp_path):
+    (tmp_path / "r").write_text("")
+    line = refused(capsys, *QUICK, f"output_dir={tmp_path}", "run_name=r")
+    assert line.startswith("gpo: error: run_name=r:") and "is a file" in line
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write anywhere")
+def test_an_output_dir_without_write_permission_is_refused(capsys, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    try:
+        line = refused(capsys, *QUICK, f"output_dir={locked / 'runs'}")
+    finally:
+        locked.chmod(0o755)
+    assert "output_dir=" in line and "no write permission" in line
+
+
+def test_the_refusal_is_a_real_exit_code_2_without_traceback(tmp_path):
+    # What used to end in an internal-error traceback when the engine created the run folder.
+    (tmp_path / "taken").write_text("")
+    (proc,) = run_gpo_all({"x": (["run", *QUICK, f"output_dir={tmp_path / 'taken'}"], [])}).values()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("gpo: error: output_dir=") and "Traceback" not in proc.stderr
+
+
+# --- resume -----------------------------------------------------------------------------------------------------
+
+
+def test_resume_must_name_something_that_exists(capsys, tmp_path):
+    line = refused(capsys, *QUICK, f"output_dir={tmp_path}", f"resume={tmp_path / 'nope'}")
+    assert f"resume={tmp_path / 'nope'}" in line and "does not exist" in line and "resume=auto" in line
+    (tmp_path / "file").write_text("")
+    assert "is a file" in refused(capsys, *QUICK, f"output_dir={tmp_path}", f"resume={tmp_path / 'file'}")
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    line = refused(capsys, *QUICK, f"output_dir={tmp_path}", f"resume={tmp_path / 'empty_run'}")
+    assert f"no checkpoint in {tmp_path / 'empty_run' / 'checkpoints'}" in line
+
+
+def test_resume_takes_auto_a_run_folder_its_checkpoints_or_one_checkpoint(capsys, tmp_path):
+    step = make_checkpoint(tmp_path / "old", 3)
+    for resume in ["auto", tmp_path / "old", tmp_path / "old" / "checkpoints", step]:
+        assert cli.main(["run", "--dry-run", *QUICK, f"output_dir={tmp_path}", f"resume={resume}"]) == 0, resume
+        assert f"resume: {resume}" in capsys.readouterr().out
+
+
+# --- packages and the tracking store ----------------------------------------------------------------------------
+
+
+def test_backend_vllm_without_vllm_is_refused_without_importing_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importlib.util.find_spec then reports it missing
+    line = refused(capsys, "tracker=none", "backend=vllm")
+    assert "backend=vllm" in line and "pip install vllm" in line and "backend=hf" in line
+
+
+@pytest.mark.parametrize("uri", ["htp:/x", "http//host", "http:/x", "http://", "https://:5000/", "sqlite:/x.db",
+                                 "sqlite://", "mysql:///db", "//host/x", "file:", " "])
+def test_a_malformed_tracking_uri_is_refused(capsys, uri):
+    assert "`tracker.uri`" in refused(capsys, "backend=hf", "tracker=mlflow", f"tracker.uri='{uri}'")
+
+
+@pytest.mark.parametrize("uri", ["http://127.0.0.1:5000", "https://mlflow.example.org/path", "sqlite:///runs/m.db",
+                                 "sqlite:////abs/m.db", "postgresql+psycopg2://u:p@db:5432/mlflow", "databricks",
+                                 "databricks://profile", "databricks-uc", "uc:http://localhost:8080",
+                                 "file:///tmp/mlruns", "runs/mlruns", "/abs/mlruns"])
+def test_valid_tracking_uris_pass(uri):
+    assert valid_tracking_uri(uri) == uri
+
+
+@pytest.mark.parametrize("name", ["cppo-arith-1", "a.b", "..x", "2026-12-05"])
+def test_valid_run_names_pass(name):
+    assert valid_run_name(name) == name
+
+
+def test_a_directory_store_needs_mlflows_opt_in(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    line = refused(capsys, "backend=hf", "tracker=mlflow", f"output_dir={tmp_path}", f"tracker.uri={tmp_path}/ml")
+    assert "MLFLOW_ALLOW_FILE_STORE=true" in line and "sqlite:///" in line
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert cli.main(["run", "--dry-run", "backend=hf", f"output_dir={tmp_path}", f"tracker.uri={tmp_path}/ml"]) == 0
+
+
+# --- what still passes ------------------------------------------------------------------------------------------
+
+
+def test_a_good_config_passes_dry_run_and_config(capsys, tmp_path):
+    make_checkpoint(tmp_path / "prev", 2)
+    args = ["backend=hf", "tracker=mlflow", f"tracker.uri=sqlite:///{tmp_path}/mlflow.db", f"output_dir={tmp_path}",
+            "run_name=prev", "resume=auto", "selector=screen", "selector.n_screen=7", "train.group_size=8",
+            "pruner=topk", "pruner.keep=8"]
+    assert cli.main(["run", "--dry-run", *args]) == 0
+    out, err = capsys.readouterr()
+    assert "run_name: prev" in out and "n_screen: 7" in out and err == ""
+    assert cli.main(["config", *args]) == 0
+    assert capsys.readouterr().out == out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prev"]  # a dry run writes nothing
+
+
+def test_gpo_config_runs_the_same_checks(capsys, tmp_path):
+    assert cli.main(["config", *QUICK, f"resume={tmp_path / 'nope'}"]) == 2
+    assert capsys.readouterr().err.startswith(f"gpo: error: resume={tmp_path / 'nope'}:")
+
+
+# --- gpo study --help ---------------------------------------------------------------------------------------------
+
+
+def test_study_help_shows_each_study_setting_with_an_example(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["study", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(StudyConfig):  # every setting is named, so a new one cannot go unmentioned
+        assert f"study.{f.name}=" in text, f.name
+    examples = [line for line in text.splitlines() if line.strip().startswith("gpo study ")]
+    for key in ("study.seeds=", "study.parallel=", "study.resume=", "study.launcher="):
+        assert any(key in line for line in examples), key

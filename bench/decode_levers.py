@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     from transformers import StaticCache
 
-    from gpo.rollout import encode_prompts, pad
+    from gpo.generation import encode_prompts, pad
 
     eng = engine(f"model.path={args.model}", "task=arith", *args.set)
     model = eng.policy.eval()

@@ -10,7 +10,7 @@ GSM8K-length completions (256 new tokens), with G = 8 and 16. Arms are interleav
 Tokens per second counts the completion tokens returned (EOS included).
 The profile of one decode step splits its time into the model's forward and drawing the next token at the size's
 row count: multinomial (as `generate` does), a one-level inverse-CDF draw (a cumulative sum over the whole
-vocabulary, gpo's draw until 2026-12-02) and gpo's two-level draw (blocks, then tokens in the chosen block).
+vocabulary, gpo's earlier draw) and gpo's two-level draw (blocks, then tokens in the chosen block).
 
     python bench/generation.py --repeats 3
 """
@@ -37,7 +37,7 @@ def main() -> None:
 
     from gpo import registry
     from gpo.backends.hf import HFBackend, HFConfig
-    from gpo.rollout import encode_prompts
+    from gpo.generation import encode_prompts
     from gpo.types import Sampling
 
     eng = engine(f"model.path={args.model}", "task=arith", *args.set)
@@ -103,7 +103,7 @@ def _decode_step_profile(model, prompts: list[list[int]], group: int, repeats: i
     import torch
 
     from gpo.decoding import draw, next_token_weights
-    from gpo.rollout import pad
+    from gpo.generation import pad
 
     ids, mask = pad(prompts, 0, left=True)
     ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)

@@ -14,7 +14,7 @@ faster steps gets more of them, not a different schedule.
 
 Reported per arm: time to GRPO's final held-out accuracy (median over seeds, min-max), final accuracy, and
 generated tokens per useful trained row (a kept row with non-zero advantage; screened-out rollouts count as
-generated). Targets (issue 18): the best composed arm reaches GRPO's final accuracy in at most 0.5x GRPO's time at
+generated). Targets: the best composed arm reaches GRPO's final accuracy in at most 0.5x GRPO's time at
 the median over seeds, ends no lower, and generates at most 0.5x GRPO's tokens per useful row. A missed target is
 printed as missed, with its numbers.
 
@@ -142,8 +142,8 @@ def levelled_off(curve: list[tuple[float, float]], questions: int) -> bool:
 
 
 def grpo_levelled(results: dict[int, dict[str, dict]], questions: int) -> list[str]:
-    """Issue 18 asks for a budget in which GRPO levels off: below it, "GRPO's final accuracy" is wherever GRPO happened
-    to stop, its time to it is the whole budget, and the time ratio measures the budget rather than the arms."""
+    """The time target needs a budget in which GRPO levels off: below it, "GRPO's final accuracy" is wherever GRPO
+    happened to stop, its time to it is the whole budget, and the time ratio measures the budget, not the arms."""
     flat = [seed for seed, state in results.items() if levelled_off(state["grpo"]["curve"], questions)]
     line = (f"GRPO levelled off (its second half rose by at most one mark's noise) in {len(flat)} of {len(results)} "
             f"seeds: {flat}")
@@ -290,7 +290,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=10_000)
     p.add_argument("--save", type=Path, help="write every finished seed's curves here as JSON, so a long run that "
                    "dies later keeps what it measured; run again with the same file and settings, and the seeds it "
-                   "holds are not measured again (a run split over sessions)")
+                   "holds are not measured again (a long run split over several invocations)")
     p.add_argument("--from-json", type=Path, help="tabulate a run saved with --save instead of running one")
     add_common(p)
     args = p.parse_args()
@@ -302,7 +302,7 @@ def main() -> None:
         results = load_saved(args.from_json)[1]
     else:
         measured: dict[int, dict[str, dict]] = {}  # every seed of the --save file, asked for this time or not
-        if args.save and args.save.exists():  # a run split over sessions: the seeds already saved are not re-run
+        if args.save and args.save.exists():  # a run split over invocations: saved seeds are not re-run
             saved_settings, measured = load_saved(args.save)
             if saved_settings != settings(args):
                 p.error(f"{args.save} was saved with other settings ({saved_settings}); run with those, or --save "

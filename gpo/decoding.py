@@ -6,8 +6,8 @@ one). Nothing else from a model's `generation_config` (repetition penalty, top-k
 log-probs are softmax(logits / T), and sampling from anything else would make the rollouts off-policy.
 
 The draw takes one uniform number per row and finds it in the cumulative distribution. `torch.multinomial`
-draws the same distribution but spent about 137 ms per decode step on 64 rows x 49k tokens on this CPU, almost
-all of it random-number generation over the whole vocabulary. The search is two-level (blocks of the vocabulary,
+draws the same distribution but generates random numbers over the whole vocabulary, which made it a large share
+of a CPU decode step (docs/benchmarks.md, decode-step profile). The search is two-level (blocks of the vocabulary,
 then tokens inside the chosen block) because a cumulative sum over the whole vocabulary is a sequential scan, the
 slowest part of a one-level draw; a block sum is a vectorised reduction.
 """

@@ -1,10 +1,10 @@
 """Multi-rank helpers on torch.distributed (gloo or NCCL); each is a no-op when no process group is running.
 
-The engine's layout (DESIGN.md): every rank generates its share of a step's questions, `all_gather_batch` gives
-every rank the same full batch, pruners decide on it identically everywhere and round a varying kept count
-(threshold pruning) up to a multiple of the world size by their own score (`Pruner.keep(batch, multiple_of)`), and
-`shard` splits the kept rows evenly, so every rank trains on the same number of rows and `group`/`global` pruning
-ignores the world size.
+The engine's layout (docs/architecture.md, "The step"): every rank generates its share of a step's questions,
+`all_gather_batch` gives every rank the same full batch, pruners decide on it identically everywhere and round a
+varying kept count (threshold pruning) up to a multiple of the world size by their own score
+(`Pruner.keep(batch, multiple_of)`), and `shard` splits the kept rows evenly, so every rank trains on the same
+number of rows and `group`/`global` pruning ignores the world size.
 
 When a rank dies or hangs, the others fail in their next collective: at once when the dead peer's sockets close
 (gloo), or after engine.collective_timeout_s when it stops answering. `peer_failures_explained` turns that failure

@@ -3,8 +3,8 @@
 `none` does nothing (dry runs, tests). `mlflow` logs to MLflow: by default into a SQLite store inside the run
 directory, so no server is needed; or to any tracking URI (`tracker.uri=http://127.0.0.1:5000`).
 Why SQLite: MLflow 3.17's file store (`file://.../mlruns`) is in maintenance mode and raises unless
-MLFLOW_ALLOW_FILE_STORE=true is exported; SQLite costs about 1-3 s once per run directory to create its tables
-(measured on a 2-core CPU), then milliseconds per logged step.
+MLFLOW_ALLOW_FILE_STORE=true is exported; SQLite pays once per run directory to create its tables (seconds on a
+small CPU, docs/benchmarks.md), then milliseconds per logged step.
 
 Only rank 0 tracks: the engine builds the configured tracker on rank 0 and `none` on every other rank, so
 nothing here knows about distributed training.

@@ -111,3 +111,15 @@ def tiny_model_path(tmp_path_factory) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> dict[str, str]:
+    """Tiny random Qwen2, Llama and Gemma 3 models with their tokenizers (tests/model_zoo.py), by architecture."""
+    import model_zoo
+
+    reason = model_zoo.missing()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("zoo")
+    return {name: model_zoo.build(name, root / name) for name in model_zoo.ARCHITECTURES}

@@ -24,15 +24,6 @@ def echo(prompts, completions, completion_ids, answer, **kwargs):
 '''
 
 
-@pytest.fixture(scope="module")
-def zoo(tmp_path_factory) -> dict[str, str]:
-    reason = model_zoo.missing()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("zoo")
-    return {name: model_zoo.build(name, root / name) for name in model_zoo.ARCHITECTURES}
-
-
 @pytest.mark.parametrize("arch", model_zoo.ARCHITECTURES)
 def test_a_user_reward_sees_each_completions_own_text_and_ids(arch, zoo, tmp_path, monkeypatch):
     from gpo.engine import Engine

@@ -34,15 +34,6 @@ STEP = [
 ]
 
 
-@pytest.fixture(scope="module")
-def zoo(tmp_path_factory) -> dict[str, str]:
-    reason = model_zoo.missing()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("zoo")
-    return {name: model_zoo.build(name, root / name) for name in ARCHS}
-
-
 def engine_for(model: str, output_dir: Path, *extra: str):
     from gpo.engine import Engine
 

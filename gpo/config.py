@@ -25,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gpo import registry
 from gpo.errors import UserError, did_you_mean
+from gpo.quota import kept_per_group
 from gpo.run_config import (
     KINDS,
     SECTIONS,
@@ -221,9 +222,6 @@ def _check_together(cfg: RunConfig) -> None:
         raise UserError("engine.offload needs DeepSpeed: set engine.deepspeed_stage=2 or 3 (engine=zero2 / zero3).")
     for name in E.tasks:  # scored at the end of the run: a typo must fail now, not after training
         registry.get("task", str(name))
-    from gpo.quota import kept_per_group
-    from gpo.schema import valid_run_name, valid_tracking_uri
-
     G = cfg.train.group_size
     n_screen = getattr(cfg.selector.config, "n_screen", None)  # screen's, or a plug-in's of the same meaning
     if isinstance(n_screen, int) and n_screen >= G:
@@ -241,16 +239,6 @@ def _check_together(cfg: RunConfig) -> None:
     if isinstance(floor, int) and floor > G:
         raise UserError(f"pruner.min_keep_per_group={floor} is more than train.group_size={G}: a group cannot keep "
                         f"more rows than it has (use at most {G}).")
-    # Top-level text fields whose annotation would need a type from gpo.schema; checked here with its validators.
-    checks = [("run_name", cfg.run_name, valid_run_name)]
-    if cfg.tracker.name == "mlflow":
-        checks.append(("tracker.uri", getattr(cfg.tracker.config, "uri", None), valid_tracking_uri))
-    for key, value, check in checks:
-        if value is not None:
-            try:
-                check(str(value))
-            except ValueError as exc:
-                raise UserError(f"`{key}`: {exc}") from None
 
 
 def _as_node(layer: Mapping[str, Any], what: str) -> DictConfig:

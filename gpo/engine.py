@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gpo import checkpoint
+from gpo import checkpoint, preflight
 from gpo.build import build
 from gpo.config import to_yaml
 from gpo.distributed import all_reduce_sum, from_rank_zero, peer_failures_explained, shard, world
@@ -324,7 +324,9 @@ class Engine:
 
 
 def train(cfg: RunConfig) -> dict[str, float]:
-    """Entry point of `gpo run`."""
+    """Entry point of `gpo run` (and of each study run): the machine checks of `--dry-run` first, before any model
+    loads, for callers that did not go through the CLI."""
+    preflight.check(cfg)
     engine: Engine | None = None
     with peer_failures_explained(lambda: engine.how_to_continue() if engine else ""):
         engine = Engine(cfg)

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from gpo.schema import Fraction, Ge, Gt, Le, NonNegative, NonNegativeInt, Positive, PositiveInt, Rate
+from gpo.schema import Fraction, Ge, Gt, Le, NonNegative, NonNegativeInt, Positive, PositiveInt, Rate, RunName
 
 # Every kind of component, in pick order.
 KINDS = ("algo", "selector", "pruner", "allocator", "task", "backend", "tracker")
@@ -157,7 +157,7 @@ class RunConfig:
     seed: int = 42
     plugins: tuple[str, ...] = ()  # modules to import so their @register'ed components exist, e.g. [my_pkg.pruners]
     output_dir: str = "runs"  # each run writes runs/<run_name>/ (checkpoints, mlflow store, eval reports)
-    run_name: str | None = None  # default: <algo>-<pruner>-<allocator>-<task>-<timestamp>
+    run_name: RunName | None = None  # default: <algo>-<pruner>-<allocator>-<task>-<timestamp>
     resume: str | None = None  # auto = newest checkpoint of run_name; or a checkpoint or run directory
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -30,7 +30,7 @@ from typing import Any
 
 from gpo.errors import UserError
 from gpo.registry import register
-from gpo.schema import NonNegativeInt, Positive
+from gpo.schema import NonNegativeInt, Positive, TrackingUri
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ def batches(items: list[Any], size: int) -> Iterator[list[Any]]:
 
 @dataclass(frozen=True)
 class MlflowConfig:
-    uri: str | None = None  # tracking URI; None = sqlite:///<run_dir>/mlflow.db, artifacts in <run_dir>/mlartifacts
+    # tracking URI; None = sqlite:///<run_dir>/mlflow.db, artifacts in <run_dir>/mlartifacts
+    uri: TrackingUri | None = None
     experiment: str = "gpo"
     parent_run_id: str | None = None  # studies: log this run as a child of that run (needs `uri`: the same store)
     tags: dict[str, str] = field(default_factory=dict)  # a mapping: read only, never changed after composing

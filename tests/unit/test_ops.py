@@ -251,19 +251,27 @@ def test_policy_loss_ignores_garbage_padding_and_empty_rows():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("override", "message"),
     [
-        ({"eps_low": 1.0, "eps_high": 0.2}, "epsilon_low"),
-        ({"eps_low": 0.2, "eps_high": -0.1}, "epsilon_high"),
-        ({"eps_low": 0.2, "eps_high": 0.2, "beta": -1.0}, "beta"),
-        ({"eps_low": 0.2, "eps_high": 0.2, "kl_estimator": "k9"}, "kl_estimator"),
-        ({"eps_low": 0.2, "eps_high": 0.2, "kl_clamp": 0.0}, "kl_clamp"),
-        ({"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 1.0}, "dual_clip"),
+        ("algo.epsilon_low=1.0", "`algo.epsilon_low` must be < 1"),
+        ("algo.epsilon_high=-0.1", "`algo.epsilon_high` must be >= 0"),
+        ("algo.beta=-1.0", "`algo.beta` must be >= 0"),
+        ("algo.kl_estimator=k9", "`algo.kl_estimator` must be one of k1, k2, k3"),
+        ("algo.kl_clamp=0.0", "`algo.kl_clamp` must be > 0"),
+        ("algo.dual_clip=1.0", "`algo.dual_clip` must be > 1"),
     ],
 )
-def test_policy_loss_settings_are_validated(kwargs, message):
+def test_policy_loss_settings_are_validated_where_they_are_set(override, message):
+    """The loss's settings come from the objective's config, whose annotations hold their ranges."""
+    from gpo.config import compose
+
     with pytest.raises(UserError, match=message):
-        ops.PolicyLoss(**kwargs)
+        compose(["algo=grpo", override])
+
+
+def test_dual_clip_with_an_objectives_own_surrogate_is_refused():
+    with pytest.raises(UserError, match="dual_clip applies to the clipped ratio only"):
+        ops.PolicyLoss(dual_clip=3.0, surrogate=lambda *args: None)  # type: ignore[arg-type,return-value]
 
 
 def test_policy_loss_needs_ref_logprobs_when_beta_positive():

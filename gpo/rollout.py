@@ -28,7 +28,18 @@ from gpo.rollout_phases import Call, Phases, Round, RoundLedger, advance, genera
 from gpo.run_config import TrainConfig
 from gpo.sampler import QuestionStream
 from gpo.step_math import score_groups
-from gpo.types import Allocator, Backend, Objective, Pruner, RolloutBatch, Sampling, Selector, Task, pass_criterion
+from gpo.types import (
+    Allocator,
+    Backend,
+    Objective,
+    Pruner,
+    RolloutBatch,
+    Sampling,
+    Selector,
+    Task,
+    pass_criterion,
+    passes,
+)
 
 
 @dataclass
@@ -97,8 +108,7 @@ class StepRollout:
         self.kept_parts: list[RolloutBatch] = []
         self.spent = RoundLedger()
         self.task_metrics: dict[str, float] = {}
-        self.task_rewards: list[torch.Tensor] = []  # [n] per finished batch: what studies compare objectives on
-        self.passed: list[torch.Tensor] = []  # [n] bool per finished batch, where the task has a pass criterion
+        self.task_rewards: list[torch.Tensor] = []  # [n] per finished batch, before the objective shapes them
         r = rollout
         self.phases = Phases(r.selector, lambda examples, call: r.generate(examples, call, timer, self.task_metrics),
                              r.train.group_size, r.tokenizer.pad_token_id, r.pass_key,
@@ -118,9 +128,7 @@ class StepRollout:
             finished, waiting, spent = advance(self.phases, waiting, new, self.step)
             self.spent = self.spent.add(spent)
             for batch in finished:  # shaped rewards and advantages over each whole group, and the group filter
-                self.task_rewards.append(batch.rewards)  # the task's own total, before the objective shapes it
-                if r.pass_key in batch.reward_components:
-                    self.passed.append(batch.reward_components[r.pass_key] > 0)
+                self.task_rewards.append(batch.rewards)  # scoring replaces them by the shaped total
                 batch, group_keep = (batch, torch.zeros(0, dtype=torch.bool)) if len(batch) == 0 else score_groups(
                     r.objective, batch, G)
                 self.seen.append(batch)
@@ -147,8 +155,9 @@ class StepRollout:
         # across objectives
         task_rewards = torch.cat(self.task_rewards) if self.task_rewards else torch.zeros(0)
         out["reward/task_mean"] = float(task_rewards.mean()) if len(task_rewards) else float("nan")
-        if self.passed:
-            out["reward/success_rate"] = float(torch.cat(self.passed).float().mean())
+        criterion = [b.reward_components[r.pass_key] for b in self.seen if r.pass_key in b.reward_components]
+        if criterion:
+            out["reward/success_rate"] = float(passes(torch.cat(criterion)).float().mean())
         return out
 
     def pass_rate(self) -> float:

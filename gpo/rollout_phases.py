@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gpo.errors import UserError
 from gpo.ops import no_variance
-from gpo.types import QuestionRewards, RolloutBatch, Selector
+from gpo.types import QuestionRewards, RolloutBatch, Selector, passes
 
 # Generation seeds. A call's prompts take consecutive seeds from the call's seed (backends add each prompt's place in
 # the call), so calls are spaced so that none of a run's calls share a seed: up to PROMPT_SEEDS prompts per call,
@@ -112,12 +112,15 @@ def rank_share(m: int, rank: int, world_size: int) -> slice:
 def rewards_by_question(rows: RolloutBatch, question: Tensor, candidates: int,
                         pass_key: str = "accuracy") -> list[QuestionRewards]:
     """Each candidate's rewards so far (row order; empty for a candidate without rows): the total, every reward
-    component, and the component named `pass_key` (the task's pass criterion) as `passed` where the task has it."""
+    component, and whether each passes the component named `pass_key` (the task's pass criterion) where the task
+    has it."""
     out = []
     for i in range(candidates):
         at = question == i  # [N]
         components = {k: v[at] for k, v in rows.reward_components.items()}
-        out.append(QuestionRewards(total=rows.rewards[at], passed=components.get(pass_key), components=components))
+        criterion = components.get(pass_key)
+        passed = None if criterion is None else passes(criterion).float()
+        out.append(QuestionRewards(total=rows.rewards[at], passed=passed, components=components))
     return out
 
 

@@ -160,8 +160,9 @@ class Rewards:
 class QuestionRewards:
     """One question's rewards so far, in row order (screening rows first): what selectors decide on.
 
-    `passed` is the task's pass criterion (its `accuracy` component unless the task names another): 1 right,
-    0 wrong; None when the task has no such component, and then a selector can only judge on `total`."""
+    `passed` reads the task's pass criterion (its `accuracy` component unless the task names another) through
+    `passes`: 1 right, 0 wrong; None when the task has no such component, and then a selector can only judge on
+    `total`."""
 
     total: Tensor  # [n] shaped total reward
     passed: Tensor | None  # [n] float 0/1
@@ -318,6 +319,12 @@ def pass_criterion(task: Any) -> str:
     """The reward component whose positive value means a completion is right: a task's `pass_criterion`
     attribute (the built-in tasks declare "accuracy"; `task=dataset` may name one of the user's rewards)."""
     return getattr(task, "pass_criterion", "accuracy")
+
+
+def passes(criterion: Tensor) -> Tensor:
+    """bool [n]: the completions a pass-criterion component marks right, by its sign (GSM8K's accuracy is 2 for
+    the exact answer, 1.5 for an equal number, 0 when wrong: both positive scores pass)."""
+    return criterion > 0
 
 
 class Backend(Protocol):

@@ -37,6 +37,17 @@ def test_screen_trains_only_mixed_questions_and_counts_what_it_generated(weight)
     assert run.ledger.completions == 8 and run.ledger.groups == 1
 
 
+def test_gsm8k_accuracy_values_pass_by_their_sign():
+    """GSM8K's accuracy is 2 for the exact answer and 1.5 for an equal number: a screening pair of one of each is
+    all right (dropped), and MoPPS counts both as successes."""
+    gsm8k = {"total": [3.0, 2.5, 0.0, 1.0], "accuracy": [2.0, 1.5, 0.0, 0.0], "format": [1.0, 1.0, 0.0, 1.0]}
+    run = select(build("screen", n_screen=2), {3: gsm8k}, group_size=G)
+    assert run.screened_out == [3] and run.trained == []
+    mopps = build("mopps")
+    select(mopps, {3: gsm8k}, group_size=G)
+    assert [round(v, 6) for v in mopps.posterior[3]] == [3.0, 3.0]  # Beta(1 + 2, 1 + 2)
+
+
 def test_screen_judging_on_the_total_continues_a_wrong_group_whose_formatting_differs():
     rewards = {10: shaped([0, 0, 0, 0], [1, 0, 1, 1], 1.0)}
     assert select(build("screen", n_screen=2, judge_on="total"), rewards, group_size=G).trained == [10]

@@ -81,11 +81,11 @@ def read_rows(source: DataSource, required: Sequence[str], gold: Callable[[Examp
     if not source.path:
         raise UserError("data source has an empty `path`: give a Hub dataset name or a .jsonl/.parquet file.")
     if is_local(source.path):
-        parts = [(str(file), _read_local(file)) for file in _local_files(source.path)]
+        parts = [(str(file), read_local(file)) for file in _local_files(source.path)]
     else:
         config = f" ({source.name})" if source.name else ""
         where = f"Hub dataset `{source.path}`{config} split `{source.split}`"
-        parts = [(where, _read_hub(source))]
+        parts = [(where, read_hub(source))]
     rows: list[Example] = []
     for where, part in parts:
         rows += _checked(part, required, gold, where, skip=bad_rows == "skip")
@@ -134,7 +134,8 @@ def _local_files(pattern: str) -> list[Path]:
     return files
 
 
-def _read_local(file: Path) -> list[Example]:
+def read_local(file: Path) -> list[Example]:
+    """Every row of a JSON-lines or Parquet file, as dicts; a row that is not an object fails naming it."""
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq  # comes with `datasets`; imported only when a parquet file is read
 
@@ -157,15 +158,17 @@ def _read_local(file: Path) -> list[Example]:
     return rows
 
 
-def _read_hub(source: DataSource) -> list[Example]:
+def read_hub(source: DataSource, offline: str = "") -> list[Example]:
+    """Every row of a Hub dataset's split; `offline` says how to use local files instead (the task's own way)."""
     import datasets  # heavy, and only needed for Hub sources
 
+    offline = offline or f"Point the task at local files: `task.data_dir=DIR` or {DATA_DIR_ENV}=DIR."
     try:
         dataset = datasets.load_dataset(source.path, source.name, split=source.split)
     except Exception as exc:
         raise UserError(
             f"cannot load Hub dataset `{source.path}` (config {source.name!r}, split {source.split!r}): {exc}. "
-            f"Offline? Point the task at local files: `task.data_dir=DIR` or {DATA_DIR_ENV}=DIR."
+            f"Offline? {offline}"
         ) from exc
     return [dict(row) for row in dataset]
 

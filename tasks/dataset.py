@@ -27,7 +27,7 @@ from gpo.schema import NonNegativeInt, Positive
 from gpo.tasks import files, graders, user_rewards
 from gpo.tasks.answers import r1_formatted
 from gpo.tasks.base import DatasetTask, DatasetTaskConfig
-from gpo.tasks.data import SplitCache
+from gpo.tasks.data import DataSource, SplitCache, read_hub
 from gpo.tasks.math import VerifierPool, available_cores, predicted_answer, verify_answers, verify_metrics
 from gpo.types import Example, Grade, Rewards
 
@@ -134,7 +134,9 @@ class Dataset(DatasetTask):
                                 ".parquet) in a folder and point task.path at it.")
             parts = [(str(f), files.read_table(f)) for f in found]
         else:
-            parts = [(f"Hub dataset `{cfg.path}` split `{name}`", files.read_hub(cfg.path, cfg.config_name, name))]
+            hub = DataSource(cfg.path, cfg.config_name, name)
+            offline = "Save it as files and set task.path to the file or folder."
+            parts = [(f"Hub dataset `{cfg.path}` split `{name}`", read_hub(hub, offline))]
         rows = [row for where, part in parts for row in self._checked(part, where)]
         if not rows:
             raise UserError(f"task.path `{cfg.path}`: the `{name}` split has no usable rows; nothing to "

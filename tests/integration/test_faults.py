@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -30,8 +31,15 @@ LOST_PEER = "a collective operation with the other ranks failed"
 
 
 def ended_within(proc, seconds: float) -> tuple[int, str, float]:
+    """(exit status, output, seconds) of a run that must end within `seconds`; past that, the launcher and every
+    rank are killed (none is left to slow the tests after it) and the test fails with the output so far."""
     started = time.monotonic()
-    out, _ = proc.communicate(timeout=seconds)
+    try:
+        out, _ = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the run did not end within {seconds} s; its output:\n{out[-6000:]}")
     return proc.returncode, out, time.monotonic() - started
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,11 +36,18 @@ def start(args: list[str], probe: Path, env: dict[str, str] | None = None,
            "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
     env.pop("WORLD_SIZE", None)
     cmd = [*(launcher or [sys.executable]), "-m", "gpo", "run", *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Its own session, so a test that gives up on it can stop the launcher and every rank together (killpg).
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # stop the launcher and every rank, and show how far the run got
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the run did not end within {timeout} s; its output:\n{out[-6000:]}")
     assert proc.returncode == 0, out[-6000:]
     return out
 

@@ -11,11 +11,12 @@ An objective is built from these parts (the methods of `gpo.types.Objective`, wh
     surrogate       PPO's clipped ratio per token          gspo, cispo, sapo, gmpo, rloo
     aggregate       sequence mean                          grpo (a choice), dapo, cispo, reinforce_pp, dr_grpo
 
-The KL term, the importance correction for the generator's log-probs and the loss metrics are the same for all
-(`ops.PolicyLoss`). A new objective's file subclasses `BaseObjective`, replaces the parts its paper changes, and
-registers with a config class derived from `ObjectiveConfig` (plus the settings classes of the GRPO parts it keeps).
+The KL term and the loss metrics are the same for all (`ops.PolicyLoss`); the correction for the generator's
+log-probs is a component of its own (`correction=`, gpo.corrections), which every objective takes unchanged. A
+new objective's file subclasses `BaseObjective`, replaces the parts its paper changes, and registers with a config
+class derived from `ObjectiveConfig` (plus the settings classes of the GRPO parts it keeps).
 
-Config classes. `ObjectiveConfig` holds what every objective has: the KL term and the importance correction.
+Config classes. `ObjectiveConfig` holds what every objective has: the KL term.
 The settings of a GRPO part live with that part (`PPOClip`, `ClipRange`, `StdScaledAdvantages`), so an objective
 that replaces the part does not carry settings it would ignore (SAPO has no clip range; Dr.GRPO no std epsilon).
 Defaults are GRPO's; a derived config overrides one only where its paper differs, and repeats the field's
@@ -31,25 +32,20 @@ import torch
 from torch import Tensor
 
 from gpo import ops
-from gpo.schema import Ge, Gt, NonNegative, Positive, Rate
+from gpo.schema import Gt, NonNegative, Positive, Rate
 from gpo.types import RolloutBatch, StepTotals
 
-ImportanceCap = Annotated[float, Ge(1)]  # a cap below 1 would shrink weights that are 1 where sampler = trainer
 DualClip = Annotated[float, Gt(1)]  # the cap -A*c, c > 1: with c <= 1 even on-policy tokens (ratio 1) were capped
 
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    """Every objective's settings: the KL term to a frozen reference model, and the correction for the generator's
-    sampling distribution. Every objective's config derives from this class."""
+    """Every objective's settings: the KL term to a frozen reference model. Every objective's config derives from this
+    class. (The correction for the generator's log-probs is `correction=`, not an objective's setting.)"""
 
     beta: NonNegative = 0.04  # KL coefficient (GRPO paper: 0.04); 0 loads no reference model at all
     kl_estimator: ops.KLEstimator = "k3"  # k1 | k2 | k3 (GRPO's unbiased estimator); used only when beta > 0
     kl_clamp: Positive | None = None  # bound the per-token KL estimate (verl's low_var_kl: 10)
-    # Weigh token losses by min(pi_old / pi_sampler, is_cap), per token or per sequence; they apply only with a
-    # backend that reports the generator's log-probs (vllm).
-    is_correction: ops.ImportanceLevel = "token"
-    is_cap: ImportanceCap = 2.0
 
 
 @dataclass(frozen=True)

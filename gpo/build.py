@@ -9,7 +9,7 @@ from typing import Any
 
 from gpo import registry
 from gpo.run_config import RunConfig
-from gpo.types import Allocator, Backend, Objective, Pruner, Selector, Task, Tracker
+from gpo.types import Allocator, Backend, Correction, Objective, Pruner, Selector, Task, Tracker
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Components:
     policy: Any
     reference: Any
     backend: Backend
+    correction: Correction
 
     def close(self) -> None:
         """Free what the parts hold outside Python (a generator's process group, a task's worker processes)."""
@@ -46,9 +47,11 @@ def build(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable:
     objective = registry.build(cfg.algo, max_completion_length=cfg.train.max_completion_length)
     selector, pruner = registry.build(cfg.selector), registry.build(cfg.pruner)
     allocator, task = registry.build(cfg.allocator), registry.build(cfg.task)
+    correction = registry.build(cfg.correction)
     tracker = registry.build(cfg.tracker, run_dir=str(run_dir)) if rank == 0 and run_dir is not None else NullTracker()
     tokenizer = load_tokenizer(cfg.model)
     policy = load_policy(cfg.model, trainable=trainable)
     reference = load_policy(cfg.model, trainable=False) if trainable and objective.needs_ref_logprobs else None
     backend = registry.build(cfg.backend, model=policy, tokenizer=tokenizer)
-    return Components(objective, selector, pruner, allocator, task, tracker, tokenizer, policy, reference, backend)
+    return Components(objective, selector, pruner, allocator, task, tracker, tokenizer, policy, reference, backend,
+                      correction)

@@ -144,6 +144,7 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
                             "experiment or file with `gpo study`.")
         if key not in top:
             raise UserError(f"unknown key `{key}`." + did_you_mean(str(key), top) + valid_keys_hint(top))
+    _refuse_moved_keys(raw)
     values: dict[str, Any] = {}
     for kind in KINDS:
         values[kind] = _component(kind, raw.get(kind))
@@ -209,6 +210,21 @@ def _component(kind: str, node: Any) -> Component:
     entry = registry.get(kind, str(node["name"]))
     body = {k: v for k, v in node.items() if k != "name"}
     return Component(kind, entry.name, validated(body, entry.config, kind))
+
+
+# Keys that left a section, and what says the same thing now.
+MOVED = {
+    ("algo", "is_correction"): "the correction is a component of its own: `correction=tis correction.level=token` "
+                               "(or sequence; `correction=none` for the old `none`, or `mis`, `icepop`)",
+    ("algo", "is_cap"): "the cap is `correction.cap` of `correction=tis` (the default correction)",
+}
+
+
+def _refuse_moved_keys(raw: Mapping[str, Any]) -> None:
+    for (section, key), instead in MOVED.items():
+        node = raw.get(section)
+        if isinstance(node, Mapping) and key in node:
+            raise UserError(f"`{section}.{key}` is no longer a setting: {instead}.")
 
 
 def _check_together(cfg: RunConfig) -> None:

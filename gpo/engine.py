@@ -24,13 +24,13 @@ from gpo.config import to_yaml
 from gpo.distributed import all_reduce_sum, from_rank_zero, peer_failures_explained, shard, world
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
-from gpo.metrics import MetricSums, PhaseTimer
+from gpo.metrics import MetricSums, PhaseTimer, mismatch_metrics
 from gpo.models import export_model
 from gpo.parallel import accumulating, build_accelerator, full_state_dict, gathered, prepare_policy, prepare_reference
 from gpo.rollout import Rollout
 from gpo.run_config import RunConfig, as_dict
 from gpo.sampler import QuestionStream
-from gpo.step_math import kept_rows, step_totals
+from gpo.step_math import corrected, kept_rows, step_totals
 from gpo.tracking import flatten
 from gpo.types import RolloutBatch, StepTotals
 
@@ -56,6 +56,7 @@ class Engine:
         self.objective, self.selector, self.pruner, self.allocator = P.objective, P.selector, P.pruner, P.allocator
         self.task, self.tracker, self.tokenizer, self.policy, self.backend = (P.task, P.tracker, P.tokenizer, P.policy,
                                                                               P.backend)
+        self.correction = P.correction
         self.ref = None if P.reference is None else prepare_reference(
             self.accelerator, TokenLogprobs(P.reference, T.logprob_chunk_size, T.share_prompt))
 
@@ -89,12 +90,12 @@ class Engine:
             rollout.record(*kept_rows(self.pruner, batch, group_keep, T.group_size, multiple_of=self.world_size))
         # 8 every rank trains its share of the kept rows
         kept = shard(rollout.kept(), self.rank, self.world_size)
-        # 9 old and reference log-probs, only when the objective needs them, only on kept rows
+        # 9 old and reference log-probs, only when needed, only on kept rows; the correction where pi_old is known
         with timer("logprobs"):
-            self._fill_logprobs(kept)
+            kept, mismatch = self._fill_logprobs(kept)
         # 10 mu optimizer steps over the kept rows; the generator gets the new weights
         with timer("update"):
-            update_metrics = self._update(kept)
+            update_metrics = self._update(kept, mismatch)
         # 11 metrics of this step
         self.step_index += 1
         return {
@@ -105,21 +106,31 @@ class Engine:
             **timer.metrics(),
         }
 
-    def _fill_logprobs(self, kept: RolloutBatch) -> None:
+    def _fill_logprobs(self, kept: RolloutBatch) -> tuple[RolloutBatch, MetricSums]:
+        """Old and reference log-probs where needed, then the generator/trainer correction wherever pi_old is known
+        now: on this rank's whole shard, before the step's tokens are counted, so dropped tokens leave the loss's
+        denominators. A correction that may drop tokens gets its pi_old pass even with mu == 1; one that only
+        weighs tokens waits, with mu == 1, for the training pass's own log-probs (`_update`)."""
         T = self.train_cfg
-        if T.mu > 1:  # one pass over the batch: the old policy is the current one, detached inside the loss
+        generated = kept.sampler_logprobs is not None
+        if T.mu > 1 or (generated and self.correction.masks):  # mu == 1 otherwise: pi_old is detached in the loss
             kept.old_logprobs = batch_logprobs(self.module, kept.to(self.accelerator.device), T.micro_batch_size,
                                                T.temperature)
         if self.ref is not None:
             kept.ref_logprobs = batch_logprobs(self.ref, kept.to(self.accelerator.device), T.micro_batch_size,
                                                T.temperature)
+        mismatch = MetricSums()
+        if generated and kept.old_logprobs is not None:
+            kept, counts = corrected(self.correction, self.objective, kept, kept.old_logprobs)
+            mismatch.add(counts)
+        return kept, mismatch
 
-    def _update(self, kept: RolloutBatch) -> dict[str, float]:
+    def _update(self, kept: RolloutBatch, mismatch: MetricSums) -> dict[str, float]:
         T, device = self.train_cfg, self.accelerator.device
         mine = step_totals(self.objective, kept)
         totals = StepTotals(sequences=int(all_reduce_sum(mine.sequences)), tokens=int(all_reduce_sum(mine.tokens)))
-        if totals.tokens == 0:  # everything was filtered or pruned away: nothing to learn from this step
-            return {"train/skipped": 1.0, "tokens/trained": 0.0}
+        if totals.tokens == 0:  # everything was filtered, pruned or dropped: nothing to learn from this step
+            return {"train/skipped": 1.0, "tokens/trained": 0.0, **mismatch_metrics(mismatch.result(passes=1))}
         sums = MetricSums()
         grad_norms = []
         for _ in range(T.mu):
@@ -129,6 +140,9 @@ class Engine:
                     mb = mb.to(device)
                     logp = self.module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                        T.temperature)
+                    if mb.sampler_logprobs is not None and mb.is_weights is None:  # mu == 1: this pass is pi_old
+                        mb, counts = corrected(self.correction, self.objective, mb, logp, may_mask=False)
+                        mismatch.add(counts)
                     loss, metrics = self.objective.loss(logp, mb, totals)
                     # Each rank's loss is its share of the global step loss; DDP averages gradients over ranks.
                     self.accelerator.backward(loss * self.world_size)
@@ -141,6 +155,7 @@ class Engine:
         self.backend.sync_weights(self.policy)
         return {
             **sums.result(passes=T.mu),
+            **mismatch_metrics(mismatch.result(passes=1)),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
             "train/lr": self.scheduler.get_last_lr()[0],
             "tokens/trained": float(totals.tokens * T.mu),

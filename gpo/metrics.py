@@ -1,6 +1,7 @@
 """Every metric a training step reports, in one place: what the rollouts were (rewards, advantages, lengths), what
-pruning and selection did, the objective's per-micro-batch metrics combined over micro-batches and ranks, and the
-seconds per phase. Metric names are the tracker's keys (`reward/mean`, `prune/kept_frac`, `select/...`, `time/...`).
+pruning and selection did, the objective's per-micro-batch metrics combined over micro-batches and ranks, the
+generator/trainer mismatch and its correction, and the seconds per phase. Metric names are the tracker's keys
+(`reward/mean`, `prune/kept_frac`, `select/...`, `mismatch/...`, `correction/...`, `time/...`).
 """
 
 from __future__ import annotations
@@ -116,6 +117,30 @@ def selection_metrics(total: RoundLedger, group_size: int, useful_rows: int) -> 
     if useful_rows:  # a step that trained on no row with signal has no such ratio (no inf in the tracker)
         out["tokens/generated_per_useful_row"] = total.tokens / useful_rows
     return out
+
+
+def mismatch_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """The step's generator/trainer mismatch and what the correction did, from `gpo.step_math.mismatch_counts` summed
+    (maxima: maxed) over micro-batches and ranks; {} for a step without the generator's log-probs.
+
+    mismatch/logp_abs_mean, _max: |log pi_old - log pi_gen| over loss tokens; mismatch/kl_gen_train: the mean k3
+    estimate of KL(pi_gen || pi_old) per loss token (>= 0); correction/weight_mean: the mean weight of the kept
+    tokens; correction/truncated_frac, masked_frac: shares of loss tokens truncated, dropped;
+    correction/truncated_seq_frac, masked_seq_frac: shares of rows with any such token (at sequence level: the rows
+    truncated or dropped whole)."""
+    if not counts:
+        return {}
+    tokens, rows = max(counts["tokens"], 1.0), max(counts["rows"], 1.0)
+    return {
+        "mismatch/logp_abs_mean": counts["logp_abs_sum"] / tokens,
+        "mismatch/logp_abs_max": counts["logp_abs_max"],
+        "mismatch/kl_gen_train": counts["kl_sum"] / tokens,
+        "correction/weight_mean": counts["weight_sum"] / max(counts["kept"], 1.0),
+        "correction/truncated_frac": counts["truncated"] / tokens,
+        "correction/masked_frac": counts["masked"] / tokens,
+        "correction/truncated_seq_frac": counts["truncated_rows"] / rows,
+        "correction/masked_seq_frac": counts["masked_rows"] / rows,
+    }
 
 
 class PhaseTimer:

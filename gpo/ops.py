@@ -274,32 +274,6 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3", clamp: flo
     return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
-ImportanceLevel = Literal["token", "sequence", "none"]
-IS_LEVELS = get_args(ImportanceLevel)
-
-
-def truncated_is_weights(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float,
-                         level: str = "token") -> tuple[Tensor, Tensor]:
-    """Truncated importance weights w = min(pi_old / pi_sampler, cap) for the generator/trainer mismatch.
-
-    A separate generator (vLLM) samples from pi_sampler, which differs slightly from the trainer's pi_old (other
-    kernels, precision). Weighting each token's loss by pi_old / pi_sampler makes the gradient that of pi_old's
-    samples again; truncating at `cap` bounds its variance (TIS, as verl and TRL apply it).
-    `token`: one ratio per token. `sequence`: the product of a row's token ratios, on every token of the row.
-    trainer_logp, sampler_logp, mask: [n, L]. Returns (weights [n, L], clipped bool [n, L]), without gradient.
-    """
-    if level not in IS_LEVELS[:2]:
-        raise UserError(f"importance sampling level must be `token` or `sequence`, got `{level}`.")
-    m = mask.bool()
-    log_ratio = (trainer_logp.detach() - sampler_logp.to(trainer_logp.dtype)).masked_fill(~m, 0.0)  # [n, L]
-    if level == "sequence":
-        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)  # [n, L]
-    log_cap = math.log(cap)
-    # Truncate in log space: a long sequence's product of ratios could overflow before the min.
-    weights = torch.exp(log_ratio.clamp(max=log_cap))  # [n, L]
-    return weights, (log_ratio > log_cap) & m
-
-
 # --- aggregation: a micro-batch's share of the step loss ---------------------------------------------------------
 
 Aggregation = Callable[[Tensor, Tensor, StepTotals], Tensor]
@@ -341,8 +315,10 @@ class PolicyLoss:
     """Surrogate + beta * KL per token, aggregated: the loss shared by every objective.
 
     The surrogate is PPO's clipped ratio with eps_low / eps_high (GRPO, DAPO, Dr.GRPO, REINFORCE++) unless
-    `surrogate` gives another per-token term (GSPO, CISPO, SAPO, GMPO, RLOO); KL, importance correction,
-    aggregation and metrics are the same for all. The objectives differ in these settings, never in this code.
+    `surrogate` gives another per-token term (GSPO, CISPO, SAPO, GMPO, RLOO); KL, aggregation and metrics are the
+    same for all. The objectives differ in these settings, never in this code. The generator/trainer correction is
+    not an objective's setting: it comes with the batch (`is_weights` multiply each token's policy loss, `is_keep`
+    takes tokens out of the mask), so every objective composes with every correction (gpo.corrections).
     """
 
     eps_low: float | None = None  # the clipped ratio's bounds; unused (None) with `surrogate`
@@ -351,8 +327,6 @@ class PolicyLoss:
     kl_estimator: str = "k3"
     kl_clamp: float | None = None
     dual_clip: float | None = None
-    is_correction: str = "token"  # token | sequence | none; acts only on batches with sampler_logprobs
-    is_cap: float = 2.0
     surrogate: SurrogateFn | None = None  # another objective's per-token term, e.g. partial(soft_gate_surrogate, ...)
 
     def __post_init__(self) -> None:
@@ -365,14 +339,12 @@ class PolicyLoss:
     def from_config(cls, cfg: Any) -> PolicyLoss:
         """From an objective's config; every objective names these settings alike (the errors quote `algo.*`)."""
         return cls(eps_low=cfg.epsilon_low, eps_high=cfg.epsilon_high, beta=cfg.beta,
-                   kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
-                   is_correction=cfg.is_correction, is_cap=cfg.is_cap)
+                   kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip)
 
     @classmethod
     def with_surrogate(cls, surrogate: SurrogateFn, cfg: Any) -> PolicyLoss:
-        """Another per-token term, with the KL and importance-correction settings of an objective's config."""
-        return cls(beta=cfg.beta, kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp,
-                   is_correction=cfg.is_correction, is_cap=cfg.is_cap, surrogate=surrogate)
+        """Another per-token term, with the KL settings of an objective's config."""
+        return cls(beta=cfg.beta, kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, surrogate=surrogate)
 
     def __call__(
         self, logp: Tensor, batch: RolloutBatch, mask: Tensor, totals: StepTotals, aggregate: Aggregation,
@@ -382,8 +354,9 @@ class PolicyLoss:
         Metrics are detached 0-dim tensors. Summed over micro-batches they give the step value, except names
         ending in `_min` / `_max` (the smallest and largest token ratio), which the engine reduces with min / max;
         they are +inf / -inf when no token counts, the identities of those reductions.
+        Tokens the correction dropped (`batch.is_keep`) leave `mask`, as they left `totals` (gpo.step_math).
         """
-        m = mask.bool()  # [n, L]
+        m = batch.counted(mask)  # [n, L]
         # Padding may hold anything (even -inf); zero it so no NaN reaches the loss or its gradient.
         logp = logp.masked_fill(~m, 0.0)
         old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs.masked_fill(~m, 0.0)
@@ -395,15 +368,11 @@ class PolicyLoss:
         else:
             surrogate = self.surrogate(logp, old, batch.advantages, m)
         per_token = surrogate.loss  # [n, L]
+        if batch.is_weights is not None:  # the generator/trainer correction's weights, without gradient
+            per_token = per_token * batch.is_weights.to(per_token)
         tokens = max(totals.tokens, 1)
-        metrics = {}
-        if self.is_correction != "none" and batch.sampler_logprobs is not None:
-            weights, clipped = truncated_is_weights(old, batch.sampler_logprobs, m, self.is_cap, self.is_correction)
-            per_token = per_token * weights
-            metrics["is/weight_mean"] = torch.where(m, weights, 0.0).sum() / tokens
-            metrics["is/clipped_frac"] = clipped.sum() / tokens
         policy = aggregate(per_token, m, totals)
-        metrics |= {
+        metrics = {
             "clip/low_frac": (surrogate.low_clipped & m).sum() / tokens,
             "clip/high_frac": (surrogate.high_clipped & m).sum() / tokens,
             "ratio/mean": torch.where(m, surrogate.ratio, 0.0).sum() / tokens,

@@ -28,6 +28,7 @@ BUILTIN_MODULES = (
     "gpo.allocators",
     "gpo.tasks",
     "gpo.backends",
+    "gpo.corrections",
     "gpo.tracking",
 )
 PLUGIN_GROUP = "gpo.plugins"
@@ -67,8 +68,8 @@ class Entry:
 
 _entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
 # The Protocol class of gpo/types.py that each kind implements (a key for every kind, in KINDS' order).
-INTERFACES = dict(zip(KINDS, ("Objective", "Selector", "Pruner", "Allocator", "Task", "Backend", "Tracker"),
-                      strict=True))
+INTERFACES = dict(zip(KINDS, ("Objective", "Selector", "Pruner", "Allocator", "Task", "Backend", "Correction",
+                             "Tracker"), strict=True))
 
 
 def missing_members(kind: str, component: Any) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from gpo.schema import Fraction, Ge, Gt, Le, NonNegative, NonNegativeInt, Positive, PositiveInt, Rate, RunName
 
 # Every kind of component, in pick order.
-KINDS = ("algo", "selector", "pruner", "allocator", "task", "backend", "tracker")
+KINDS = ("algo", "selector", "pruner", "allocator", "task", "backend", "correction", "tracker")
 GroupSize = Annotated[int, Ge(2)]  # group-relative advantages need at least two completions per question
 TopP = Annotated[float, Gt(0), Le(1)]  # nucleus mass kept; 1 = off
 
@@ -153,6 +153,7 @@ class RunConfig:
     allocator: Component
     task: Component
     backend: Component
+    correction: Component
     tracker: Component
     seed: int = 42
     plugins: tuple[str, ...] = ()  # modules to import so their @register'ed components exist, e.g. [my_pkg.pruners]

@@ -1,10 +1,11 @@
 """A training step's maths on a RolloutBatch, without a model: what `Engine.step` calls between generation and the
 optimizer, public so that an algorithm or a pruner can be checked on a hand-made batch.
 
-    from gpo.step_math import score_groups, kept_rows, step_totals, loss_shares
+    from gpo.step_math import score_groups, kept_rows, corrected, step_totals, loss_shares
     scored, group_keep = score_groups(objective, batch, group_size=4)  # shaped rewards, advantages, filter [B]
     candidates, keep = kept_rows(pruner, scored, group_keep, group_size=4)  # whole kept groups, pruner's mask
     kept = candidates.select(keep)
+    kept, counts = corrected(correction, objective, kept, old_logp)  # with the generator's log-probs: weights, mask
     shares = loss_shares(objective, kept, logp, micro_batch_size=2)  # logp [N, L]: any policy's, or made up
     run = select(selector, {7: {"total": [2, 1, 2, 1], "accuracy": [1, 0, 1, 0]}}, group_size=4)  # a selector
 
@@ -15,6 +16,7 @@ multi-rank step sums `step_totals` over ranks before the loss; the engine does t
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +25,7 @@ from torch import Tensor
 
 from gpo.logprobs import micro_batches
 from gpo.rollout_phases import Call, Phases, Round, RoundLedger, advance, generation_seed
-from gpo.types import Objective, Pruner, RolloutBatch, Selector, StepTotals
+from gpo.types import Correction, Objective, Pruner, RolloutBatch, Selector, StepTotals
 
 
 def shaped_rewards(objective: Objective, batch: RolloutBatch, group_size: int) -> Tensor:
@@ -58,8 +60,60 @@ def kept_rows(pruner: Pruner, batch: RolloutBatch, group_keep: Tensor, group_siz
 
 
 def step_totals(objective: Objective, batch: RolloutBatch) -> StepTotals:
-    """Rows and loss tokens of `batch`: what the objective divides by (summed over ranks for a multi-rank step)."""
-    return StepTotals(sequences=len(batch), tokens=int(objective.loss_mask(batch).sum()))
+    """Rows and loss tokens of `batch`: what the objective divides by (summed over ranks for a multi-rank step).
+
+    Tokens the correction dropped (`batch.is_keep`) do not count, and a row whose every loss token it dropped
+    leaves the row count; a row the objective itself masks whole (e.g. DAPO's truncated rows) still counts."""
+    mask = objective.loss_mask(batch).bool()  # [N, L]
+    counted = batch.counted(mask)  # [N, L]
+    dropped_rows = int((mask.any(dim=1) & ~counted.any(dim=1)).sum())
+    return StepTotals(sequences=len(batch) - dropped_rows, tokens=int(counted.sum()))
+
+
+def corrected(correction: Correction, objective: Objective, batch: RolloutBatch, trainer_logp: Tensor,
+              may_mask: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
+    """`batch` (which has the generator's log-probs) with the correction's weights and keep mask (`is_weights`,
+    `is_keep`), from pi_old's log-probs `trainer_logp` [N, L], and the counts its metrics are made of.
+
+    The counts are sums over the objective's loss tokens (and `_max` maxima), to be summed over micro-batches and
+    ranks before `gpo.metrics.mismatch_metrics` divides them. `may_mask` False: the caller has counted the step's
+    tokens already, so a correction that drops a token here is an error."""
+    if batch.sampler_logprobs is None:
+        raise ValueError("corrected() needs a batch with the generator's log-probs (sampler_logprobs)")
+    mask = objective.loss_mask(batch).bool().to(trainer_logp.device)  # [N, L]
+    trainer = trainer_logp.detach().float()
+    generator = batch.sampler_logprobs.to(trainer.device).float()
+    out = correction.correct(trainer, generator, mask)
+    if not may_mask and bool((mask & ~out.keep).any()):
+        raise ValueError(f"{type(correction).__name__} dropped tokens but declares masks = False; set masks = True "
+                         f"so that the engine knows pi_old before it counts the step's tokens")
+    return (dataclasses.replace(batch, is_weights=out.weights.detach(), is_keep=out.keep),
+            mismatch_counts(trainer, generator, mask, out.weights, out.keep, out.truncated))
+
+
+def mismatch_counts(trainer_logp: Tensor, generator_logp: Tensor, mask: Tensor, weights: Tensor, keep: Tensor,
+                    truncated: Tensor) -> dict[str, float]:
+    """Sums over the loss tokens (`mask`, [N, L]) of d = log pi_old - log pi_gen and of the correction's work.
+
+    `kl_sum` sums k3 = exp(d) - 1 - d, Schulman's estimator of KL(pi_gen || pi_old) from tokens sampled by the
+    generator (r = pi_old / pi_gen, k3 = (r - 1) - log r >= 0). `logp_abs_max` is a maximum (-inf without tokens).
+    """
+    m = mask.bool()
+    d = (trainer_logp.double() - generator_logp.double())[m]  # [tokens]
+    kept, dropped, capped = keep & m, ~keep & m, truncated & m  # [N, L] each
+    return {
+        "tokens": float(m.sum()),
+        "rows": float(m.any(dim=1).sum()),
+        "logp_abs_sum": float(d.abs().sum()),
+        "logp_abs_max": float(d.abs().max()) if d.numel() else -math.inf,
+        "kl_sum": float((torch.exp(d) - 1 - d).sum()),
+        "kept": float(kept.sum()),
+        "weight_sum": float(weights.double()[kept].sum()),
+        "truncated": float(capped.sum()),
+        "masked": float(dropped.sum()),
+        "truncated_rows": float(capped.any(dim=1).sum()),
+        "masked_rows": float(dropped.any(dim=1).sum()),
+    }
 
 
 def loss_shares(objective: Objective, batch: RolloutBatch, logp: Tensor, micro_batch_size: int,

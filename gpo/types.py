@@ -35,6 +35,9 @@ class RolloutBatch:
     old_logprobs: Tensor | None = None  # [N, L] filled after pruning, only when needed
     ref_logprobs: Tensor | None = None  # [N, L]
     sampler_logprobs: Tensor | None = None  # [N, L] the generator's own, from backends that report them (vllm)
+    # The generator/trainer correction's, set by the engine once pi_old is known (gpo.step_math.corrected):
+    is_weights: Tensor | None = None  # [N, L] per-token loss weights
+    is_keep: Tensor | None = None  # bool [N, L] tokens left in the loss; None: every one
     reward_components: dict[str, Tensor] = field(default_factory=dict)  # name -> [N]
 
     def __len__(self) -> int:
@@ -43,6 +46,12 @@ class RolloutBatch:
     @property
     def lengths(self) -> Tensor:
         return self.completion_mask.sum(dim=1)  # [N]
+
+    def counted(self, loss_mask: Tensor) -> Tensor:
+        """bool [N, L]: the loss tokens that count, `loss_mask` less those the correction dropped (`is_keep`). The
+        step's totals and the loss both read this, so a dropped token leaves every denominator."""
+        m = loss_mask.bool()
+        return m if self.is_keep is None else m & self.is_keep.to(m.device)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         def move(x: Any) -> Any:
@@ -87,6 +96,8 @@ class RolloutBatch:
             old_logprobs=cut(self.old_logprobs),
             ref_logprobs=cut(self.ref_logprobs),
             sampler_logprobs=cut(self.sampler_logprobs),
+            is_weights=cut(self.is_weights),
+            is_keep=cut(self.is_keep),
         )
 
     @staticmethod
@@ -130,6 +141,8 @@ class RolloutBatch:
             old_logprobs=cat_optional("old_logprobs"),
             ref_logprobs=cat_optional("ref_logprobs"),
             sampler_logprobs=cat_optional("sampler_logprobs"),
+            is_weights=cat_optional("is_weights"),
+            is_keep=cat_optional("is_keep"),
             reward_components={
                 k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components
             },
@@ -145,6 +158,15 @@ class StepTotals:
 
     sequences: int
     tokens: int
+
+
+@dataclass(frozen=True)
+class Corrected:
+    """What a correction returns for rows of [n, L] tokens. Outside the loss mask: weight 1, kept, not truncated."""
+
+    weights: Tensor  # [n, L] per-token loss weights, 0 where dropped; no gradient
+    keep: Tensor  # bool [n, L]: tokens left in the loss (and in its denominators)
+    truncated: Tensor  # bool [n, L]: kept tokens whose weight was capped
 
 
 @dataclass
@@ -297,6 +319,22 @@ class Selector(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Correction(Protocol):
+    """correction: weights and masks for the mismatch between the generator's and the trainer's log-probs.
+
+    Applied only to batches whose backend reports the generator's log-probs. Pure: the same inputs give the same
+    result on every rank."""
+
+    # True when `correct` may drop tokens: the engine then computes pi_old (a no-grad pass) before it counts the
+    # step's loss tokens. False: `keep` is all true, and with train.mu == 1 pi_old is the training pass's own
+    # detached log-probs.
+    masks: bool
+
+    def correct(self, trainer_logp: Tensor, generator_logp: Tensor, mask: Tensor) -> Corrected:
+        """pi_old's log-probs [n, L] (the trainer's, no gradient), the generator's [n, L] and the loss mask [n, L]
+        -> per-token weights, the keep mask and the truncated tokens."""
 
 
 class Task(Protocol):

@@ -14,8 +14,9 @@ tensors that `gpo.parallel.full_parameters` gathers on every rank for the durati
 also destroys torch's default group, so `close` runs before the trainer destroys that group itself.
 
 vLLM samples with its own kernels, so its token probabilities differ slightly from the trainer's. The backend
-reports the log-prob vLLM sampled each token with (after temperature, as the trainer computes them), and the loss
-weighs tokens by the truncated ratio pi_old / pi_sampler (`algo.is_correction`, gpo/ops.py).
+reports the log-prob vLLM sampled each token with (after temperature, as the trainer computes them); the run's
+`correction=` (gpo.corrections: `tis` by default, truncated pi_old / pi_gen weights; `mis`, `icepop` mask; `none`)
+turns them into per-token weights and masks, and the mismatch metrics (`mismatch/*`) are logged every step.
 """
 
 from __future__ import annotations

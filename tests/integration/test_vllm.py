@@ -23,9 +23,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from gpo import distributed, ops
+from gpo import distributed, ops, registry
+from gpo.corrections.tis import truncated_weights
 from gpo.errors import UserError
 from gpo.generation import generate
+from gpo.metrics import mismatch_metrics
+from gpo.step_math import corrected
 from gpo.types import RolloutBatch, Sampling, StepTotals
 from vllm_checks import build_tiny_model
 
@@ -44,7 +47,8 @@ MASK = [[1, 1, 0], [1, 1, 1]]
 
 
 def _weights(cap, level):
-    return ops.truncated_is_weights(torch.tensor(TRAINER), torch.tensor(SAMPLER), torch.tensor(MASK), cap, level)
+    out = truncated_weights(torch.tensor(TRAINER), torch.tensor(SAMPLER), torch.tensor(MASK), cap, level)
+    return out.weights, out.truncated
 
 
 def test_token_weights_are_truncated_ratios():
@@ -64,14 +68,14 @@ def test_sequence_weights_are_one_truncated_product_per_row():
 def test_sequence_weights_do_not_overflow_on_long_rows():
     trainer = torch.zeros(1, 4000)
     sampler = torch.full((1, 4000), -0.5)  # product of ratios e^2000 overflows float32; its log does not
-    w, clipped = ops.truncated_is_weights(trainer, sampler, torch.ones(1, 4000), cap=3.0, level="sequence")
-    assert torch.allclose(w, torch.full((1, 4000), 3.0)) and bool(clipped.all())
+    out = truncated_weights(trainer, sampler, torch.ones(1, 4000), cap=3.0, level="sequence")
+    assert torch.allclose(out.weights, torch.full((1, 4000), 3.0)) and bool(out.truncated.all())
 
 
 def test_weights_carry_no_gradient():
     trainer = torch.tensor([[LN(0.5)]], requires_grad=True)
-    w, _ = ops.truncated_is_weights(trainer, torch.tensor([[LN(0.4)]]), torch.ones(1, 1), cap=2.0)
-    assert not w.requires_grad
+    out = truncated_weights(trainer, torch.tensor([[LN(0.4)]]), torch.ones(1, 1), cap=2.0)
+    assert not out.weights.requires_grad
 
 
 def _batch(advantages, mask, sampler=None, old=None):
@@ -88,57 +92,62 @@ def _batch(advantages, mask, sampler=None, old=None):
     )
 
 
+def _corrected(name, batch, trainer_logp, **settings):
+    """The batch as the engine corrects it (correction=NAME with `settings`), and the correction's step metrics."""
+    registry.load_builtins()
+    correction = registry.get("correction", name).build(settings)
+    objective = registry.get("algo", "grpo").build(None, max_completion_length=16)  # its loss mask: the completion
+    out, counts = corrected(correction, objective, batch, trainer_logp)
+    return out, mismatch_metrics(counts)
+
+
 def test_policy_loss_weighs_each_token_and_reports_metrics():
     # mu = 1 (no old log-probs): pi_old is the current policy, ratio 1, per-token loss -A, weighted by w
     logp = torch.tensor(TRAINER, requires_grad=True)
-    batch = _batch([1.0, -2.0], MASK, sampler=SAMPLER)
+    batch, m = _corrected("tis", _batch([1.0, -2.0], MASK, sampler=SAMPLER), logp.detach(), cap=1.6)
     totals = StepTotals(sequences=2, tokens=5)
-    loss, m = ops.PolicyLoss(eps_low=0.2, eps_high=0.2, is_cap=1.6)(logp, batch, batch.completion_mask, totals,
-                                                                    ops.token_mean)
+    loss, _ = ops.PolicyLoss(eps_low=0.2, eps_high=0.2)(logp, batch, batch.completion_mask, totals, ops.token_mean)
     # weights 1.6, 0.5 / 1.6, 1.5, 0.5 (as above); token mean of -A*w over the 5 tokens
     expected = (-(1.6 + 0.5) + 2 * (1.6 + 1.5 + 0.5)) / 5
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     loss.backward()  # d(-A * w * exp(logp - sg(logp)))/dlogp = -A * w / 5 on counted tokens
     assert torch.allclose(logp.grad, torch.tensor([[-1.6, -0.5, 0.0], [3.2, 3.0, 1.0]]) / 5)
-    assert m["is/weight_mean"].item() == pytest.approx((1.6 + 0.5 + 1.6 + 1.5 + 0.5) / 5, rel=1e-6)
-    assert m["is/clipped_frac"].item() == pytest.approx(2 / 5)
+    assert m["correction/weight_mean"] == pytest.approx((1.6 + 0.5 + 1.6 + 1.5 + 0.5) / 5, rel=1e-6)
+    assert m["correction/truncated_frac"] == pytest.approx(2 / 5)
 
 
 def test_policy_loss_uses_old_logprobs_as_the_trainer_side():
     # mu > 1: the weight compares the stored pi_old with the sampler, not the current policy
-    logp = torch.tensor([[LN(0.5)]], requires_grad=True)
     batch = _batch([1.0], [[1]], sampler=[[LN(0.4)]], old=[[LN(0.6)]])
-    _, m = ops.PolicyLoss(eps_low=0.2, eps_high=0.2, is_cap=5.0)(logp, batch, batch.completion_mask,
-                                                                 StepTotals(1, 1), ops.token_mean)
-    assert m["is/weight_mean"].item() == pytest.approx(1.5, rel=1e-6)
+    _, m = _corrected("tis", batch, batch.old_logprobs, cap=5.0)
+    assert m["correction/weight_mean"] == pytest.approx(1.5, rel=1e-6)
 
 
 def test_without_sampler_logprobs_or_when_off_the_loss_is_unchanged():
     logp = torch.tensor([[LN(0.5), LN(0.3)]])
     mask = [[1, 1]]
     plain = _batch([1.0], mask)
-    corrected = _batch([1.0], mask, sampler=[[LN(0.25), LN(0.6)]])
+    generated = _batch([1.0], mask, sampler=[[LN(0.25), LN(0.6)]])
     totals = StepTotals(1, 2)
 
-    def run(spec, batch):
-        return spec(logp, batch, batch.completion_mask, totals, ops.token_mean)
+    def run(batch):
+        return ops.PolicyLoss(eps_low=0.2, eps_high=0.2)(logp, batch, batch.completion_mask, totals, ops.token_mean)
 
-    base, base_metrics = run(ops.PolicyLoss(eps_low=0.2, eps_high=0.2), plain)
-    assert "is/weight_mean" not in base_metrics  # `hf` reports no sampler log-probs: nothing changes
-    off, off_metrics = run(ops.PolicyLoss(eps_low=0.2, eps_high=0.2, is_correction="none"), corrected)
-    assert off.item() == base.item() and "is/weight_mean" not in off_metrics
-    on, _ = run(ops.PolicyLoss(eps_low=0.2, eps_high=0.2), corrected)
-    assert on.item() == pytest.approx(-(2.0 + 0.5) / 2)
+    base, base_metrics = run(plain)  # `hf` reported no sampler log-probs: nothing changes
+    assert not any(k.startswith("correction/") for k in base_metrics)
+    off, off_metrics = _corrected("none", generated, logp)
+    assert run(off)[0].item() == base.item() and off_metrics["correction/weight_mean"] == 1.0
+    on, _ = _corrected("tis", generated, logp)
+    assert run(on)[0].item() == pytest.approx(-(2.0 + 0.5) / 2)
 
 
-def test_every_objective_exposes_the_settings():
-    from gpo import registry
-
+def test_the_settings_live_in_the_correction_not_in_the_objectives():
     registry.load_builtins()
     for name in registry.names("algo"):
-        entry = registry.get("algo", name)
-        objective = entry.build(entry.config(is_correction="sequence", is_cap=3.0), max_completion_length=16)
-        assert (objective.policy_loss.is_correction, objective.policy_loss.is_cap) == ("sequence", 3.0)
+        fields = {f.name for f in dataclasses.fields(registry.get("algo", name).config)}
+        assert not fields & {"is_correction", "is_cap"}, name
+    tis = registry.get("correction", "tis").build({"level": "sequence", "cap": 3.0})
+    assert (tis.cfg.level, tis.cfg.cap) == ("sequence", 3.0)
 
 
 # --- the generator's log-probs travel with the batch ------------------------------------------------------------

@@ -157,8 +157,8 @@ def test_an_objective_that_replaces_no_part_trains_as_grpo():
 
 
 SHARED_BAD = [  # (field, a value its maths refuses); each objective's config that has the field refuses it
-    ("beta", -0.1), ("kl_estimator", "k4"), ("kl_clamp", 0.0), ("is_correction", "word"), ("is_cap", 0.5),
-    ("is_cap", math.nan), ("std_eps", -1e-4), ("epsilon_high", -0.1), ("dual_clip", 1.0), ("loss_agg", "mean"),
+    ("beta", -0.1), ("kl_estimator", "k4"), ("kl_clamp", 0.0), ("std_eps", -1e-4), ("epsilon_high", -0.1),
+    ("dual_clip", 1.0), ("loss_agg", "mean"),
 ]
 
 
@@ -171,9 +171,8 @@ def test_shared_settings_are_typed_alike_in_every_objective(name):
         if field in fields:
             with pytest.raises(ValidationError, match=field):
                 build(name, **{field: value})
-    good = build(name, beta=0.1, kl_estimator="k2", kl_clamp=10.0, is_correction="sequence", is_cap=3.0)
+    good = build(name, beta=0.1, kl_estimator="k2", kl_clamp=10.0)
     assert (good.cfg.beta, good.policy_loss.kl_estimator, good.policy_loss.kl_clamp) == (0.1, "k2", 10.0)
-    assert (good.policy_loss.is_correction, good.policy_loss.is_cap) == ("sequence", 3.0)
     assert good.needs_ref_logprobs
     if name not in ("gmpo", "sapo"):  # gmpo's bounds are in log space; sapo has no clip range
         with pytest.raises(ValidationError, match="epsilon_low"):

@@ -24,7 +24,7 @@ OUT_OF_RANGE = [
     (["algo=grpo", "algo.beta=-1"], "`algo.beta` must be >= 0.0, got -1."),
     (["algo=grpo", "algo.kl_clamp=0"], "`algo.kl_clamp` must be > 0.0, got 0."),
     (["algo=grpo", "algo.dual_clip=1"], "`algo.dual_clip` must be > 1.0, got 1."),
-    (["algo=grpo", "algo.is_cap=0.5"], "`algo.is_cap` must be >= 1.0, got 0.5."),
+    (["correction=tis", "correction.cap=0.5"], "`correction.cap` must be >= 1.0, got 0.5."),
     (["algo=grpo", "algo.std_eps=-1"], "`algo.std_eps` must be >= 0.0, got -1."),
     (["algo=dapo", "algo.overlong_buffer=0"], "`algo.overlong_buffer` must be >= 1, got 0."),
     (["algo=dr_grpo", "algo.loss_normalizer=0"], "`algo.loss_normalizer` must be >= 1, got 0."),

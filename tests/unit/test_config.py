@@ -34,7 +34,8 @@ class StubConfig:
 
 TREE = {
     "base.yaml": """
-        defaults: {algo: a, selector: q, pruner: p1, allocator: s, task: t, backend: b, tracker: n, model: m, engine: e}
+        defaults: {algo: a, selector: q, pruner: p1, allocator: s, task: t, backend: b, correction: c, tracker: n,
+                   model: m, engine: e}
         train: {steps: 30}
     """,
     "pruner/p1.yaml": "name: p1\nrate: 0.25\n",
@@ -52,14 +53,14 @@ TREE = {
 
 @pytest.fixture
 def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_registry) -> Path:  # noqa: F811 (the fixture)
-    """configs/ of TREE, with components a, q, p1, p2, p3 (a plug-in without YAML), s, t, b, n registered."""
+    """configs/ of TREE, with components a, q, p1, p2, p3 (a plug-in without YAML), s, t, b, c, n registered."""
     for rel, text in TREE.items():
         path = tmp_path / "configs" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(line.strip() for line in text.splitlines()))
     monkeypatch.setattr(config, "CONFIG_ROOT", tmp_path / "configs")
     for kind, name in [("algo", "a"), ("selector", "q"), ("pruner", "p1"), ("pruner", "p2"), ("pruner", "p3"),
-                       ("allocator", "s"), ("task", "t"), ("backend", "b"), ("tracker", "n")]:
+                       ("allocator", "s"), ("task", "t"), ("backend", "b"), ("correction", "c"), ("tracker", "n")]:
         register(kind, name, config=StubConfig)(type(f"Stub_{kind}_{name}", (), {"__doc__": "A stub."}))
     return tmp_path
 
@@ -77,7 +78,7 @@ def test_base_alone_takes_its_defaults_and_the_picked_files(tree):
     assert cfg.model.path == "tiny"  # model/m.yaml
     assert set(as_dict(cfg)) == {"seed", "plugins", "output_dir", "run_name", "resume", "model", "train", "optim",
                         "eval", "checkpoint", "engine", "algo", "selector", "pruner", "allocator", "task", "backend",
-                        "tracker"}
+                        "correction", "tracker"}
 
 
 def test_a_pick_replaces_the_default_and_a_file_without_name_is_named_after_itself(tree):

@@ -53,6 +53,28 @@ def test_a_count_larger_than_the_group_is_refused(capsys, args, says):
     assert says in refused(capsys, *QUICK, *args)
 
 
+# --- the generator/trainer correction ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, says", [
+    (["correction=tis", "correction.cap=0.5"], "`correction.cap` must be >= 1.0, got 0.5"),
+    (["correction=tis", "correction.level=word"], "`correction.level` must be one of token, sequence"),
+    (["correction=mis", "correction.lower=-0.1"], "`correction.lower` must be >= 0.0, got -0.1"),
+    (["correction=mis", "correction.upper=0.5"], "`correction.upper` must be >= 1.0, got 0.5"),  # drops ratio 1
+    # inverted and empty bands: the rule between the two fields
+    (["correction=mis", "correction.lower=1", "correction.upper=1"], "`correction.lower`=1.0 is not below "
+                                                                     "`correction.upper`=1.0"),
+    (["correction=icepop", "correction.lower=1", "correction.upper=1"], "Set lower < 1 < upper"),
+    (["correction=icepop", "correction.lower=nan"], "Valid: >= 0 and <= 1"),
+    # the keys that moved out of the objectives name their replacements
+    (["algo.is_correction=sequence"], "`algo.is_correction` is no longer a setting: the correction is a component "
+                                      "of its own: `correction=tis correction.level=token`"),
+    (["algo=dapo", "algo.is_cap=3"], "`algo.is_cap` is no longer a setting: the cap is `correction.cap`"),
+])
+def test_a_bad_correction_is_refused(capsys, args, says):
+    assert says in refused(capsys, *QUICK, *args)
+
+
 # --- where the run is written -------------------------------------------------------------------------------------
 
 

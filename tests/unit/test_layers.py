@@ -14,8 +14,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Each top-level folder is the package it installs as (pyproject.toml's package-dir, checked below).
 FOLDERS = {"gpo": "gpo", "algorithms": "gpo.algorithms", "selection": "gpo.selectors", "pruners": "gpo.pruners",
-           "allocators": "gpo.allocators", "tasks": "gpo.tasks", "configs": "gpo.configs"}
-COMPONENT_PACKAGES = ("gpo.algorithms", "gpo.selectors", "gpo.pruners", "gpo.allocators", "gpo.tasks")
+           "allocators": "gpo.allocators", "tasks": "gpo.tasks", "corrections": "gpo.corrections",
+           "configs": "gpo.configs"}
+COMPONENT_PACKAGES = ("gpo.algorithms", "gpo.selectors", "gpo.pruners", "gpo.allocators", "gpo.tasks",
+                      "gpo.corrections")
 
 # Lowest first. A module named here, or inside a package named here, sits in that layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [

@@ -84,7 +84,6 @@ def test_paper_defaults():
     ("reinforce_pp", {"whiten_eps": 0.0}, "whiten_eps"),
     ("reinforce_pp", {"dual_clip": 0.5}, "dual_clip"),
     ("sapo", {"kl_estimator": "k7"}, "kl_estimator"),
-    ("gmpo", {"is_correction": "word"}, "is_correction"),
 ])
 def test_bad_settings_are_refused_by_the_config_type(name, cfg, message):
     with pytest.raises(ValidationError, match=message):

@@ -259,9 +259,6 @@ def test_policy_loss_ignores_garbage_padding_and_empty_rows():
         ("algo.kl_estimator=k9", "`algo.kl_estimator` must be one of k1, k2, k3"),
         ("algo.kl_clamp=0.0", "`algo.kl_clamp` must be > 0"),
         ("algo.dual_clip=1.0", "`algo.dual_clip` must be > 1"),
-        ("algo.is_correction=tokens", "`algo.is_correction` must be one of token, sequence, none"),
-        ("algo.is_cap=0.5", "`algo.is_cap` must be >= 1"),
-        ("algo.is_cap=nan", "`algo.is_cap` must be >= 1"),
     ],
 )
 def test_policy_loss_settings_are_validated_where_they_are_set(override, message):

@@ -153,7 +153,8 @@ def test_an_unknown_name_in_an_empty_kind_says_so():
 
 
 def test_an_unknown_kind_lists_the_kinds():
-    with pytest.raises(UserError, match="kinds are algo, selector, pruner, allocator, task, backend, tracker"):
+    kinds = "algo, selector, pruner, allocator, task, backend, correction, tracker"
+    with pytest.raises(UserError, match=f"kinds are {kinds}"):
         registry.get("prunner", "topk")
 
 

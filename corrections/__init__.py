@@ -1,0 +1,3 @@
+"""Generator/trainer mismatch corrections (`correction=`): per-token weights and masks from pi_old / pi_gen."""
+
+from gpo.corrections import icepop, mis, none, tis  # noqa: F401

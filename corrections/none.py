@@ -1,0 +1,29 @@
+"""`none`: no correction. The mismatch metrics are still logged wherever the backend reports its log-probs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from gpo.corrections.ratios import unchanged
+from gpo.registry import register
+from gpo.types import Corrected
+
+
+@dataclass(frozen=True)
+class NoneConfig:
+    pass
+
+
+@register("correction", "none", config=NoneConfig)
+class NoCorrection:
+    """No correction: weight 1 on every token; the mismatch is only measured."""
+
+    masks = False
+
+    def __init__(self, cfg: NoneConfig) -> None:
+        self.cfg = cfg
+
+    def correct(self, trainer_logp: Tensor, generator_logp: Tensor, mask: Tensor) -> Corrected:
+        return unchanged(mask)

@@ -92,9 +92,12 @@ class Engine:
         # 9 old and reference log-probs, only when the objective needs them, only on kept rows
         with timer("logprobs"):
             self._fill_logprobs(kept)
-        # 10 mu optimizer steps over the kept rows; the generator gets the new weights
+        # 10 mu optimizer steps over the kept rows, then the generator gets the new weights
         with timer("update"):
             update_metrics = self._update(kept)
+        if "train/skipped" not in update_metrics:  # the generator gets the new weights (time/weight_sync)
+            with timer("weight_sync"):
+                self.backend.sync_weights(self.policy)
         # 11 metrics of this step
         self.step_index += 1
         return {
@@ -138,7 +141,6 @@ class Engine:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.backend.sync_weights(self.policy)
         return {
             **sums.result(passes=T.mu),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),

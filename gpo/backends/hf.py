@@ -95,6 +95,7 @@ class HFBackend:
                                                       seed + lo)
                     logprobs.extend(row_logprobs)
                 else:
+                    assert isinstance(chunk, int)  # checked above: decode=generate takes one count per call
                     rows = self._transformers_generate(model, ids.to(device), mask.to(device), chunk, sampling,
                                                        seed + lo)
                 out.extend(rows)

@@ -4,6 +4,10 @@ Arms (each generates the same prompts, with the same seeds, on the same weights 
   hf-generate  transformers' `generate` on G copies of each prompt (`backend.decode=generate`, the path before)
   hf-gpo       gpo's decoder (`backend.decode=gpo`, the default): one prefill per prompt, its cache expanded to
                the G samples, inverse-CDF draws, finished rows dropped from the batch
+  hf-gpo-bf16  gpo's decoder on a bfloat16 copy of the policy (`backend.precision=bf16`)
+  hf-gpo-int8  gpo's decoder on a copy with int8 dynamically quantised Linear layers (`backend.precision=int8`);
+               the column "x hf-gpo" is each precision's speed against float32's. By default the precisions this
+               machine runs natively (gpo/backends/precision.py) are timed.
   vllm         vLLM (`backend=vllm`), when it is installed and `--vllm` is given (it starts its own engine)
 Sizes: questions x G completions x new tokens; by default the training default (8 x 8, 32 new tokens) and
 GSM8K-length completions (256 new tokens), with G = 8 and 16. Arms are interleaved and rotated per repeat.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Literal
 
 from harness import add_common, engine, freeze_weights, spread, table, write_section
 
@@ -28,8 +33,9 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--sizes", nargs="*", default=SIZES, metavar="QxGxT",
                    help="questions x completions per question x new tokens")
-    p.add_argument("--arms", nargs="+", choices=["hf-generate", "hf-gpo", "vllm"],
-                   help="time only these (default: both hf paths, and vllm with --vllm)")
+    p.add_argument("--arms", nargs="+", choices=["hf-generate", "hf-gpo", *PRECISION_ARMS, "vllm"],
+                   help="time only these (default: the hf paths at every precision this machine runs, and vllm "
+                        "with --vllm)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--vllm", action="store_true", help="also time backend=vllm (starts a vLLM engine)")
     add_common(p)
@@ -37,6 +43,7 @@ def main() -> None:
 
     from gpo import registry
     from gpo.backends.hf import HFBackend, HFConfig
+    from gpo.backends.precision import runnable, this_machine
     from gpo.generation import encode_prompts
     from gpo.types import Sampling
 
@@ -44,6 +51,10 @@ def main() -> None:
     freeze_weights(eng)
     backends = {"hf-generate": HFBackend(HFConfig(decode="generate"), eng.policy, eng.tokenizer),
                 "hf-gpo": HFBackend(HFConfig(decode="gpo"), eng.policy, eng.tokenizer)}
+    here = runnable("hf", this_machine())
+    for name, precision in PRECISION_ARMS.items():  # the copy is made in the warm-up round, which is not timed
+        if precision in here or (args.arms and name in args.arms):
+            backends[name] = HFBackend(HFConfig(precision=precision), eng.policy, eng.tokenizer)
     if args.vllm or (args.arms and "vllm" in args.arms):
         entry = registry.get("backend", "vllm")
         backends["vllm"] = entry.build(entry.config(), model=eng.policy, tokenizer=eng.tokenizer)
@@ -86,6 +97,7 @@ def main() -> None:
 
 
 SIZES = ["8x8x32", "8x16x32", "8x8x256", "8x16x256"]
+PRECISION_ARMS: dict[str, Literal["bf16", "int8"]] = {"hf-gpo-bf16": "bf16", "hf-gpo-int8": "int8"}
 HEADERS = ["Q x G x new tokens", "arm", "seconds", "tokens/s", "x hf-generate", "x hf-gpo"]
 PROFILE_HEADERS = ["Q x G x new tokens", "rows", "model forward", "softmax + multinomial",
                    "one-level inverse CDF", "two-level inverse CDF (gpo)"]

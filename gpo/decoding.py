@@ -23,13 +23,23 @@ BLOCK = 1024  # tokens per block of the two-level search: about sqrt(V) for voca
 def next_token_weights(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:
     """[b, V] logits -> [b, V] float32 weights proportional to the sampling distribution, the likeliest token's
     weight 1 (so no row sums to 0). Unnormalised: `draw` needs only proportions."""
+    return top_p_filter(tempered_weights(logits, temperature), top_p)
+
+
+def tempered_weights(logits: Tensor, temperature: float) -> Tensor:
+    """[b, V] float32 w_j = exp((l_j - max_k l_k) / T), proportional to softmax(l / T): the distribution before
+    any top-p truncation, whose row sums give the log-normaliser of `sampled_logprob`."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
     logits = logits.float()
     weights = logits - logits.amax(dim=-1, keepdim=True)
     if temperature != 1.0:
         weights.div_(temperature)
-    weights.exp_()
+    return weights.exp_()
+
+
+def top_p_filter(weights: Tensor, top_p: float) -> Tensor:
+    """`weights` with the tokens outside the top-p nucleus set to 0, in place (transformers' rule, above)."""
     if top_p < 1.0:
         ascending, order = torch.sort(weights, dim=-1)
         cumulative = ascending.to(torch.float64).cumsum(dim=-1)
@@ -37,6 +47,15 @@ def next_token_weights(logits: Tensor, temperature: float, top_p: float = 1.0) -
         drop_sorted[:, -1] = False  # the most likely token always stays
         weights.masked_fill_(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
     return weights
+
+
+def sampled_logprob(weights: Tensor, totals: Tensor, tokens: Tensor) -> Tensor:
+    """[b] log softmax(l / T)[token] = log w_token - log sum_j w_j, from the drawn tokens' `weights` [b, V] and the
+    row sums `totals` [b] of the tempered weights taken before top-p truncation (which leaves a drawn token's
+    weight unchanged). The quantity the trainer's log-probs compute: the distribution before truncation, so the
+    importance ratio compares like with like. One gather per row: no second pass over the vocabulary."""
+    picked = weights.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return picked.log() - totals.log()
 
 
 def next_token_probs(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:

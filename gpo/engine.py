@@ -93,9 +93,12 @@ class Engine:
         # 9 old and reference log-probs, only when needed, only on kept rows; the correction where pi_old is known
         with timer("logprobs"):
             kept, mismatch = self._fill_logprobs(kept)
-        # 10 mu optimizer steps over the kept rows; the generator gets the new weights
+        # 10 mu optimizer steps over the kept rows
         with timer("update"):
             update_metrics = self._update(kept, mismatch)
+        if "train/skipped" not in update_metrics:  # the generator gets the new weights (time/weight_sync)
+            with timer("weight_sync"):
+                self.backend.sync_weights(self.policy)
         # 11 metrics of this step
         self.step_index += 1
         return {
@@ -152,7 +155,6 @@ class Engine:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.backend.sync_weights(self.policy)
         return {
             **sums.result(passes=T.mu),
             **mismatch_metrics(mismatch.result(passes=1)),

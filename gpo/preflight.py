@@ -74,7 +74,15 @@ def check_resume(cfg: RunConfig) -> None:
 
 
 def check_backend(cfg: RunConfig) -> None:
-    """A backend's package is looked up, not imported (importing vLLM takes seconds and may start CUDA)."""
+    """A backend's package is looked up, not imported (importing vLLM takes seconds and may start CUDA); a
+    precision other than auto / float32 is checked against this machine first (torch is imported only then)."""
+    precision = getattr(cfg.backend.config, "precision", "auto")
+    if cfg.backend.name in ("hf", "vllm") and precision not in ("auto", "float32"):
+        from gpo.backends.precision import refusal, this_machine
+
+        why = refusal(cfg.backend.name, precision, this_machine())
+        if why:
+            raise UserError(why)
     needed = BACKEND_PACKAGES.get(cfg.backend.name)
     if needed and importlib.util.find_spec(needed[0]) is None:
         raise UserError(f"backend={cfg.backend.name} needs the `{needed[0]}` package, which is not installed: "

@@ -383,8 +383,8 @@ class Backend(Protocol):
         engine then generates a round's second phase and the next round's first phase in one call."""
 
     def sampled_logprobs(self) -> list[list[float]] | None:
-        """The generator's log-prob of each token the last `generate` returned (same layout), or None if the backend
-        samples with the training model itself (`hf`) and so has nothing to correct."""
+        """The generator's log-prob of each token the last `generate` returned (same layout): log softmax(logits / T)
+        before top-p truncation, as the trainer computes it. None when it reports none (a greedy call)."""
 
     def sync_weights(self, model: Any) -> None: ...
 

@@ -1,10 +1,15 @@
-"""`hf`: generation on the training model itself (no copy, so no weight sync).
+"""`hf`: gpo's decoder, on the training model itself (float32, the default) or on a bf16 / int8 copy of it.
 
 The default decoder prefills each distinct prompt once and expands its keys/values to the prompt's n samples:
 `generate` with n copies of a prompt prefilled it n times (about 28% of generation at the default size). It then
 decodes token by token, drawing each token from softmax(logits / T) (top-p optional) with one uniform number per
 row (gpo/decoding.py), and drops finished rows from the batch and the cache. `backend.decode=generate` keeps
 transformers' `generate` for comparison.
+
+`backend.precision` (gpo/backends/precision.py): float32 and auto sample with the policy itself; bf16 and int8
+with a copy of it that `sync_weights` refreshes after every optimizer step. At every precision gpo's decoder
+reports each sampled token's log-prob under the generator, log softmax(logits / T) before top-p truncation (the
+quantity the trainer computes), for the importance correction; the comparison path `decode=generate` reports none.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from gpo.decoding import draw, next_token_weights
+from gpo.backends.precision import POLICY_ITSELF, GeneratorCopy
+from gpo.decoding import draw, sampled_logprob, tempered_weights, top_p_filter
 from gpo.registry import register
 from gpo.schema import PositiveInt
 from gpo.types import Sampling
@@ -28,18 +34,35 @@ class HFConfig:
     #      that draws each token by inverse CDF and stops computing rows that have finished.
     # generate: transformers' `generate` on n copies of each prompt (the path before; kept for comparison).
     decode: Literal["gpo", "generate"] = "gpo"
+    # auto / float32: sample with the policy itself (in its own dtype, float32 unless model.dtype says otherwise).
+    # bf16: a bfloat16 copy of the policy. int8: a copy whose Linear layers are int8 with activations quantised per
+    # call (CPU). Copies are refreshed after every optimizer step (metric time/weight_sync).
+    precision: Literal["auto", "float32", "bf16", "int8"] = "auto"
 
 
 @register("backend", "hf", config=HFConfig)
 class HFBackend:
-    """Generation on the policy itself: one prefill per prompt shared by its samples (default; runs on CPU)."""
+    """gpo's decoder: one prefill per prompt shared by its samples, on the policy or a lower-precision copy."""
 
-    generates_with_policy = True  # the training model's own forward passes: ZeRO-3 gathers it around generate
+    # True: the training model's own forward passes, so ZeRO-3 gathers it around generate (float32, the default).
+    # A bf16 / int8 copy needs nothing gathered while it generates (it gathers for its refresh): set per instance.
+    generates_with_policy = True
 
     def __init__(self, cfg: HFConfig, model: Any = None, tokenizer: Any = None) -> None:
         self.cfg = cfg
         self.model = model
         self.tokenizer = tokenizer
+        self._copy: GeneratorCopy | None = None  # bf16 / int8: made on first use, from the policy as it is then
+        self._logprobs: list[list[float]] | None = None
+        self.generates_with_policy = cfg.precision in POLICY_ITSELF
+
+    def generator(self) -> Any:
+        """The model that samples: the policy, or its copy at backend.precision."""
+        if self.generates_with_policy:
+            return self.model
+        if self._copy is None:
+            self._copy = GeneratorCopy(self.model, self.cfg.precision)
+        return self._copy.model
 
     @property
     def per_prompt_counts(self) -> bool:
@@ -51,34 +74,45 @@ class HFBackend:
                  seed: int) -> list[list[int]]:
         from gpo.generation import counts_per_prompt, pad
 
-        model, tok = self.model, self.tokenizer
+        tok = self.tokenizer
+        model = self.generator()  # a copy is made here on first use, on every rank alike (collective under ZeRO-3)
         counts = counts_per_prompt(n, len(prompts))
         if not isinstance(n, int) and not self.per_prompt_counts:
             raise ValueError("backend.decode=generate takes one completion count per call")
+        report = self.cfg.decode == "gpo" and not sampling.greedy
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        run: Any = self._decode if self.cfg.decode == "gpo" else self._transformers_generate
         out: list[list[int]] = []
+        logprobs: list[list[float]] = []
         try:
             for lo, hi in _chunks(counts, self.cfg.batch_size):
                 ids, mask = pad(prompts[lo:hi], tok.pad_token_id, left=True)  # [b, Lp]
                 # A seed per call (derived from the step seed) makes a run reproducible whatever ran before.
                 chunk = n if isinstance(n, int) else counts[lo:hi]
-                out.extend(run(ids.to(device), mask.to(device), chunk, sampling, seed + lo))
+                if self.cfg.decode == "gpo":
+                    rows, row_logprobs = self._decode(model, ids.to(device), mask.to(device), chunk, sampling,
+                                                      seed + lo)
+                    logprobs.extend(row_logprobs)
+                else:
+                    assert isinstance(chunk, int)  # checked above: decode=generate takes one count per call
+                    rows = self._transformers_generate(model, ids.to(device), mask.to(device), chunk, sampling,
+                                                       seed + lo)
+                out.extend(rows)
         finally:
             model.train(was_training)
+        self._logprobs = logprobs if report else None
         return out
 
-    def _decode(self, ids: Tensor, mask: Tensor, n: int | list[int], sampling: Sampling,
-                seed: int) -> list[list[int]]:
+    def _decode(self, model: Any, ids: Tensor, mask: Tensor, n: int | list[int], sampling: Sampling,
+                seed: int) -> tuple[list[list[int]], list[list[float]]]:
         """Prefill the b distinct prompts once, expand their cache to their n samples each (n per prompt, or one
-        count for all), then decode token by token."""
+        count for all), then decode token by token. Returns the tokens and, when sampling, each token's log-prob
+        under the generator (`sampled_logprob`); empty lists when greedy."""
         eos, device = self.tokenizer.eos_token_id, ids.device
         generator = torch.Generator().manual_seed(seed)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, Lp]: left padding does not shift positions
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         repeats = torch.full((ids.shape[0],), n) if isinstance(n, int) else torch.tensor(n)  # [b]
         source = torch.arange(ids.shape[0]).repeat_interleave(repeats).to(device)  # [N]: each sample's prompt
@@ -86,14 +120,18 @@ class HFBackend:
         logits = out.logits[:, -1][source]  # [N, V]
         mask = mask[source]  # [N, Lp]
         rows: list[list[int]] = [[] for _ in range(logits.shape[0])]
+        logprobs: list[list[float]] = [[] for _ in rows] if not sampling.greedy else []
         alive = torch.arange(logits.shape[0])  # original row of each row still being decoded
         for step in range(sampling.max_new_tokens):
             if sampling.greedy:
                 token = logits.argmax(dim=-1)  # [alive]
             else:
-                weights = next_token_weights(logits, sampling.temperature, sampling.top_p)
+                weights = tempered_weights(logits, sampling.temperature)  # [alive, V]
+                totals = weights.sum(dim=-1)  # [alive]: before top-p truncation
                 uniforms = torch.rand(len(rows), generator=generator, dtype=torch.float64)[alive]
-                token = draw(weights, uniforms.to(device))
+                token = draw(top_p_filter(weights, sampling.top_p), uniforms.to(device))
+                for row, lp in zip(alive.tolist(), sampled_logprob(weights, totals, token).tolist(), strict=True):
+                    logprobs[row].append(lp)
             for row, t in zip(alive.tolist(), token.tolist(), strict=True):
                 rows[row].append(t)
             running = token != eos  # [alive]
@@ -104,12 +142,12 @@ class HFBackend:
                 cache.batch_select_indices(keep)
                 alive, token, mask = alive[keep.cpu()], token[keep], mask[keep]
             mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)  # [alive, Lp + step + 1]
-            out = self.model(input_ids=token.unsqueeze(1), attention_mask=mask,
-                             position_ids=mask.sum(dim=1, keepdim=True) - 1, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token.unsqueeze(1), attention_mask=mask,
+                        position_ids=mask.sum(dim=1, keepdim=True) - 1, past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1]
-        return rows
+        return rows, logprobs
 
-    def _transformers_generate(self, ids: Tensor, mask: Tensor, n: int, sampling: Sampling,
+    def _transformers_generate(self, model: Any, ids: Tensor, mask: Tensor, n: int, sampling: Sampling,
                                seed: int) -> list[list[int]]:
         tok = self.tokenizer
         kwargs: dict[str, Any] = dict(
@@ -125,17 +163,23 @@ class HFBackend:
             kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
         with torch.random.fork_rng(devices=[] if ids.device.type == "cpu" else [ids.device]):
             torch.manual_seed(seed)
-            seqs = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            seqs = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         return [_until_eos(row, tok.eos_token_id) for row in seqs[:, ids.shape[1] :].cpu().tolist()]
 
-    def sampled_logprobs(self) -> None:
-        return None  # it samples from the training model itself: no generator/trainer mismatch to correct
+    def sampled_logprobs(self) -> list[list[float]] | None:
+        """Per completion of the last `generate`, the generator's log-prob of each sampled token; None after a
+        greedy call or with decode=generate."""
+        return self._logprobs
 
     def sync_weights(self, model: Any) -> None:
-        self.model = model  # generates with the training model's own parameters
+        """The policy after an optimizer step: float32 samples with it directly; a copy is refreshed from it."""
+        self.model = model
+        if self._copy is not None:  # not made yet: it is made from this model on first use
+            self._copy.refresh(model)
 
     def close(self) -> None:
-        """Nothing to free: the model is the trainer's."""
+        """Drop the generator copy, if any (the policy is the trainer's)."""
+        self._copy = None
 
 
 def _chunks(counts: list[int], batch_size: int) -> list[tuple[int, int]]:

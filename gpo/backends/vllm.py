@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 
+from gpo.backends.precision import vllm_settings
 from gpo.distributed import world
 from gpo.errors import UserError
 from gpo.generation import counts_per_prompt
@@ -39,8 +40,10 @@ from gpo.types import Sampling
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    # auto: float32 on CPU (vLLM's bfloat16 CPU path is ~4x slower), the policy's dtype on GPU
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # auto: float32 on CPU (vLLM's bfloat16 CPU path was ~4x slower on an AVX2 CPU), the policy's dtype on GPU.
+    # float32; bf16 (where the device runs bfloat16 natively); fp16 and fp8 (vLLM's online fp8 quantisation over
+    # bfloat16) on CUDA GPUs only (gpo/backends/precision.py).
+    precision: Literal["auto", "float32", "bf16", "fp16", "fp8"] = "auto"
     # GPU share for vLLM's weights + KV cache; the trainer needs the rest
     gpu_memory_utilization: Annotated[float, Gt(0), Le(1)] = 0.3
     kv_cache_gib: Positive | None = None  # KV cache size in GiB (on CPU: default 1); null on GPU: from the share above
@@ -95,7 +98,7 @@ class VLLMBackend:
         return vllm.LLM(
             model=path,
             tokenizer=path,
-            dtype=_dtype(cfg.dtype, self.model, on_gpu),
+            **vllm_settings(cfg.precision, on_gpu, next(self.model.parameters()).dtype),
             seed=cfg.seed,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30),
@@ -220,11 +223,3 @@ def _local_dir(model: Any) -> str:
             "(model.path must be a directory, a .gguf file or a packaged alias)."
         )
     return path
-
-
-def _dtype(name: str, model: Any, on_gpu: bool) -> Any:  # one of vLLM's dtype names
-    if name != "auto":
-        return name
-    if not on_gpu:
-        return "float32"
-    return str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -176,3 +176,22 @@ def test_lora_trains_only_the_adapter_and_saves_a_merged_model(tiny_model_path, 
     # Saving mid-run (best checkpoint) must leave the adapter in place so training continues.
     assert any(p.requires_grad and "lora_" in n for n, p in engine.policy.named_parameters())
     engine.step()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_lower_precision_generator_trains_and_is_synced_every_step(tiny_model_path, tmp_path, precision):
+    """Two steps sampling from a bf16 / int8 copy: each step logs the refresh's seconds, and after the last the copy
+    holds the trained weights (bf16: equal after the cast; int8: the norms, kept in float32, equal)."""
+    from gpo.engine import Engine
+    from gpo.models import plain_weights
+
+    engine = Engine(tiny_config(tiny_model_path, tmp_path, "backend=hf", f"backend.precision={precision}",
+                                "pruner=none", "allocator=static"))
+    start = {n: t.clone() for n, t in plain_weights(engine.policy)}
+    steps = [engine.step() for _ in range(2)]
+    assert all(m["time/weight_sync"] > 0 and m["tokens/trained"] > 0 for m in steps)
+    trained = dict(plain_weights(engine.policy))
+    copy = dict(engine.backend.generator().named_parameters())
+    norm = "model.norm.weight"
+    assert not torch.equal(trained[norm], start[norm])
+    assert torch.equal(copy[norm], trained[norm].to(copy[norm].dtype))

@@ -231,7 +231,8 @@ def _vllm_backend(**settings):
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"dtype": "fp32"}, "`backend.dtype` must be one of auto, float32, bfloat16, float16"),
+    ({"precision": "fp32"}, "`backend.precision` must be one of auto, float32, bf16, fp16, fp8"),
+    ({"precision": "int8"}, "`backend.precision` must be one of auto, float32, bf16, fp16, fp8"),
     ({"gpu_memory_utilization": 0.0}, "`backend.gpu_memory_utilization` must be > 0"),
     ({"gpu_memory_utilization": 1.5}, "`backend.gpu_memory_utilization` must be <= 1"),
 ])

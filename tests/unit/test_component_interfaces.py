@@ -45,6 +45,10 @@ def test_builtins_implement_every_protocol_method(kind, name):
 def test_backends_say_whether_they_generate_with_the_policy():
     assert registry.get("backend", "hf").cls.generates_with_policy is True  # ZeRO-3 gathers around its forwards
     assert registry.get("backend", "vllm").cls.generates_with_policy is False  # its own weights, synced
+    # a bf16 / int8 copy of the policy is the hf backend's own weights, like vLLM's
+    hf = registry.get("backend", "hf")
+    assert hf.build({"precision": "bf16"}, model=None, tokenizer=None).generates_with_policy is False
+    assert hf.build({"precision": "float32"}, model=None, tokenizer=None).generates_with_policy is True
 
 
 @pytest.mark.parametrize("name", ["aime24", "amc23", "arith", "gsm8k"])

@@ -188,6 +188,38 @@ def test_a_good_config_passes_dry_run_and_config(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prev"]  # a dry run writes nothing
 
 
+# --- backend.precision against this machine ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, machine, says", [
+    # int8 where torch has no dynamic quantisation
+    (["backend.precision=int8"], dict(cuda=False, bf16=True, dynamic_int8=False),
+     "backend.precision=int8: int8 needs torch's dynamic quantisation"),
+    # bf16 on a CPU without native bfloat16 (AVX2): the line says what does run here
+    (["backend.precision=bf16"], dict(cuda=False, bf16=False, dynamic_int8=True),
+     "backend.precision=bf16: this CPU has no native bfloat16 support (it would be emulated, slower than float32); "
+     "backend=hf runs float32, int8 on this machine."),
+    # fp8 with vLLM on a CPU, refused before vLLM's own absence is
+    (["backend=vllm", "backend.precision=fp8"], dict(cuda=False, bf16=True, dynamic_int8=True),
+     "backend.precision=fp8: vLLM runs fp8 on CUDA GPUs only; backend=vllm runs float32, bf16 on this machine."),
+    (["backend.precision=int8"], dict(cuda=True, bf16=True, dynamic_int8=False), "runs on CPU only"),
+])
+def test_a_precision_this_machine_cannot_run_is_refused(capsys, monkeypatch, args, machine, says):
+    from gpo.backends import precision
+
+    monkeypatch.setattr(precision, "this_machine", lambda: precision.Machine(**machine))
+    assert says in refused(capsys, *QUICK, *args)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["backend.precision=fp16"], "`backend.precision` must be one of auto, float32, bf16, int8"),  # hf has no fp16
+    (["backend.precision=fp8"], "`backend.precision` must be one of auto, float32, bf16, int8"),
+    (["backend=vllm", "backend.precision=int8"], "`backend.precision` must be one of auto, float32, bf16, fp16, fp8"),
+])
+def test_an_unknown_precision_is_refused_with_the_backends_choices(capsys, args, says):
+    assert says in refused(capsys, *QUICK, *args)
+
+
 def test_gpo_config_runs_the_same_checks(capsys, tmp_path):
     assert cli.main(["config", *QUICK, f"resume={tmp_path / 'nope'}"]) == 2
     assert capsys.readouterr().err.startswith(f"gpo: error: resume={tmp_path / 'nope'}:")

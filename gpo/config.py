@@ -236,6 +236,7 @@ def _check_together(cfg: RunConfig) -> None:
                         f"k samples per question (raise eval.samples or drop that k).")
     if cfg.engine.offload and cfg.engine.deepspeed_stage == 0:
         raise UserError("engine.offload needs DeepSpeed: set engine.deepspeed_stage=2 or 3 (engine=zero2 / zero3).")
+    _check_precision(cfg)
     for name in E.tasks:  # scored at the end of the run: a typo must fail now, not after training
         registry.get("task", str(name))
     G = cfg.train.group_size
@@ -255,6 +256,20 @@ def _check_together(cfg: RunConfig) -> None:
     if isinstance(floor, int) and floor > G:
         raise UserError(f"pruner.min_keep_per_group={floor} is more than train.group_size={G}: a group cannot keep "
                         f"more rows than it has (use at most {G}).")
+
+
+def _check_precision(cfg: RunConfig) -> None:
+    """Mixed precision keeps float32 master weights: they must be loaded in float32. Under DeepSpeed the module
+    itself holds 16-bit copies, so its no-grad passes cannot run in another precision than training."""
+    mixed, logprob = cfg.engine.mixed_precision, cfg.engine.logprob_precision
+    if mixed != "no" and cfg.model.dtype != "float32":
+        raise UserError(f"engine.mixed_precision={mixed} keeps float32 master weights, but model.dtype="
+                        f"{cfg.model.dtype} loads them in 16 bits: set model.dtype=float32 (mixed precision) or "
+                        f"engine.mixed_precision=no (training in {cfg.model.dtype} throughout).")
+    if cfg.engine.deepspeed_stage and mixed != "no" and logprob not in ("train", mixed):
+        raise UserError(f"engine.logprob_precision={logprob} with DeepSpeed and engine.mixed_precision={mixed}: "
+                        f"DeepSpeed holds the policy's weights in {mixed}, so its log-prob passes run in {mixed}; "
+                        f"use engine.logprob_precision=train.")
 
 
 def _as_node(layer: Mapping[str, Any], what: str) -> DictConfig:

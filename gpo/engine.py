@@ -23,7 +23,7 @@ from gpo.build import build
 from gpo.config import to_yaml
 from gpo.distributed import all_reduce_sum, from_rank_zero, peer_failures_explained, shard, world
 from gpo.errors import UserError
-from gpo.logprobs import TokenLogprobs, batch_logprobs, micro_batches
+from gpo.logprobs import TokenLogprobs, batch_logprobs, computing_in, micro_batches
 from gpo.metrics import MetricSums, PhaseTimer, mismatch_metrics
 from gpo.models import export_model
 from gpo.parallel import accumulating, build_accelerator, full_state_dict, gathered, prepare_policy, prepare_reference
@@ -57,8 +57,11 @@ class Engine:
         self.task, self.tracker, self.tokenizer, self.policy, self.backend = (P.task, P.tracker, P.tokenizer, P.policy,
                                                                               P.backend)
         self.correction = P.correction
+        E = cfg.engine
+        # docs/precision.md: the training passes under mixed_precision, the no-grad passes under logprob_precision
+        self.logprob_precision = E.mixed_precision if E.logprob_precision == "train" else E.logprob_precision
         self.ref = None if P.reference is None else prepare_reference(
-            self.accelerator, TokenLogprobs(P.reference, T.logprob_chunk_size, T.share_prompt))
+            self.accelerator, TokenLogprobs(P.reference, T.logprob_chunk_size, T.share_prompt, self.logprob_precision))
 
         opt = self.optim_cfg
         optimizer = torch.optim.AdamW(
@@ -66,7 +69,8 @@ class Engine:
             lr=opt.lr, betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay, fused=opt.fused,
         )
         self.module, self.optimizer = prepare_policy(
-            self.accelerator, TokenLogprobs(self.policy, T.logprob_chunk_size, T.share_prompt), optimizer
+            self.accelerator, TokenLogprobs(self.policy, T.logprob_chunk_size, T.share_prompt, E.mixed_precision),
+            optimizer,
         )
         self.scheduler = _scheduler(self.optimizer, opt.schedule, opt.warmup_ratio, total=T.steps * T.mu)
         self.accelerator.register_for_checkpointing(self.scheduler)
@@ -117,8 +121,9 @@ class Engine:
         T = self.train_cfg
         generated = kept.sampler_logprobs is not None
         if T.mu > 1 or (generated and self.correction.masks):  # mu == 1 otherwise: pi_old is detached in the loss
-            kept.old_logprobs = batch_logprobs(self.module, kept.to(self.accelerator.device), T.micro_batch_size,
-                                               T.temperature)
+            with computing_in(self.accelerator.unwrap_model(self.module), self.logprob_precision):
+                kept.old_logprobs = batch_logprobs(self.module, kept.to(self.accelerator.device), T.micro_batch_size,
+                                                   T.temperature)
         if self.ref is not None:
             kept.ref_logprobs = batch_logprobs(self.ref, kept.to(self.accelerator.device), T.micro_batch_size,
                                                T.temperature)

@@ -12,6 +12,11 @@ the full forward, values and gradients); gradients flow back through the expansi
 
 `TokenLogprobs` is an nn.Module so that Accelerate/DeepSpeed can wrap it: its forward is the training forward,
 and gradients flow through the wrapper's hooks (calling a wrapped model's sub-modules directly would bypass them).
+
+Mixed precision (docs/precision.md): with `precision` bf16 or fp16 the decoder runs under torch.autocast, so its
+matrix products take 16-bit copies of the float32 weights and gradients come back float32. The LM head and the
+log-softmax never run under autocast: they compute in the stored weights' dtype (float32 master weights) and then
+float32, because rounding logits of magnitude ~20 to bf16 (step 0.125) is the largest single error in a log-prob.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from torch.utils.checkpoint import checkpoint
 
 from gpo.types import RolloutBatch
 
+# engine.mixed_precision's values -> the autocast dtype ("no": no autocast, the parameters' own dtype).
+AUTOCAST_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding, as transformers' generate computes them (so log-probs agree)."""
@@ -37,13 +45,17 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 class TokenLogprobs(nn.Module):
     """logp[i, t] = log softmax(lm_head(h) / temperature)[completion_ids[i, t]] for the completion positions."""
 
-    def __init__(self, model: nn.Module, chunk_size: int = 1024, share_prompt: bool = True) -> None:
+    def __init__(self, model: nn.Module, chunk_size: int = 1024, share_prompt: bool = True,
+                 precision: str = "no") -> None:
         super().__init__()
         # Any: a transformers (or peft) causal LM; as an nn.Module mypy would type its get_decoder() and
         # get_output_embeddings() as Tensor | Module attributes (torch's __getattr__).
         self.model: Any = model
         self.chunk_size = chunk_size
         self.share_prompt = share_prompt
+        # The decoder's autocast (a key of AUTOCAST_DTYPES). Entered inside forward, so it also overrides the
+        # autocast Accelerate wraps a prepared module's forward in; `computing_in` switches it for a no-grad pass.
+        self.precision = precision
 
     @property
     def share_prompt(self) -> bool:
@@ -56,6 +68,12 @@ class TokenLogprobs(nn.Module):
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
                 temperature: float = 1.0) -> Tensor:
+        dtype = AUTOCAST_DTYPES[self.precision]
+        with torch.autocast(prompt_ids.device.type, dtype=dtype, enabled=dtype is not None):
+            return self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+
+    def _logprobs(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+                  temperature: float) -> Tensor:
         prompts = distinct_prompts(prompt_ids, prompt_mask) if self.share_prompt else None
         if prompts is not None and len(prompts[0]) < len(prompt_ids):
             h = self._hidden_shared(prompt_ids, prompt_mask, completion_ids, completion_mask, *prompts)
@@ -121,7 +139,10 @@ class TokenLogprobs(nn.Module):
 
 
 def _chunk_logprobs(h: Tensor, ids: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    logits = nn.functional.linear(h, weight, bias).float() / temperature  # [c, V] float32, one chunk only
+    """log softmax(h W^T + b) / temperature at `ids`, the head in the weights' own dtype (never autocast: see the
+    module header), the log-softmax in float32. Weights stored in bf16 (DeepSpeed bf16) give bf16 logits, upcast."""
+    with torch.autocast(h.device.type, enabled=False):
+        logits = nn.functional.linear(h.to(weight.dtype), weight, bias).float() / temperature  # [c, V], one chunk
     return logits.log_softmax(dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [c]
 
 
@@ -129,6 +150,17 @@ def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:
     """Consecutive slices of `size` rows, each re-trimmed to its own longest completion."""
     for lo in range(0, len(batch), size):
         yield batch.select(torch.arange(lo, min(lo + size, len(batch))))
+
+
+@contextmanager
+def computing_in(module: TokenLogprobs, precision: str) -> Iterator[None]:
+    """`module` runs under `precision` (a key of AUTOCAST_DTYPES) for the duration: a no-grad pass of the policy
+    in another precision than its training passes (engine.logprob_precision)."""
+    before, module.precision = module.precision, precision
+    try:
+        yield
+    finally:
+        module.precision = before
 
 
 @torch.no_grad()

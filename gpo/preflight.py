@@ -31,6 +31,7 @@ def check(cfg: RunConfig) -> None:
     check_resume(cfg)
     check_backend(cfg)
     check_tracker(cfg)
+    check_precision(cfg)
 
 
 def check_output_dir(cfg: RunConfig) -> None:
@@ -101,3 +102,25 @@ def check_tracker(cfg: RunConfig) -> None:
         raise UserError(f"tracker.uri={uri} is a directory store, which MLflow 3 refuses unless "
                         f"MLFLOW_ALLOW_FILE_STORE=true is set; use a database store such as sqlite:///runs/mlflow.db, "
                         f"a server (http://HOST:PORT), or leave tracker.uri unset for the run's own store.")
+
+
+def check_precision(cfg: RunConfig) -> None:
+    """16-bit compute this machine runs: fp16 only on a CUDA GPU (Accelerate scales the loss there; on CPU it
+    neither autocasts nor scales, so fp16 would silently train in float32), bf16 on CPU or a GPU that has it.
+    torch is imported only when a 16-bit precision is asked for."""
+    asked = {key: value for key, value in (("mixed_precision", cfg.engine.mixed_precision),
+                                            ("logprob_precision", cfg.engine.logprob_precision))
+             if value not in ("no", "train")}
+    if not asked:
+        return
+    import torch
+
+    cuda = torch.cuda.is_available()
+    runs = ["no", "bf16", "fp16"] if cuda and torch.cuda.is_bf16_supported() else ["no", "fp16"] if cuda else \
+        ["no", "bf16"]
+    for key, value in asked.items():
+        if value not in runs:
+            where = f"this GPU ({torch.cuda.get_device_name()}) has no bf16" if cuda else \
+                "fp16 needs a CUDA GPU (loss scaling); on CPU it would train in float32"
+            raise UserError(f"engine.{key}={value}: {where}; this machine runs engine.{key}="
+                            f"{' or '.join(runs)}.")

@@ -100,7 +100,13 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     num_processes: PositiveInt = 1  # > 1 re-launches under `accelerate launch`
+    # Mixed-precision updates (docs/precision.md): bf16/fp16 run the decoder's matrix products in 16 bits under
+    # autocast while weights, gradients and AdamW state stay float32 (DeepSpeed keeps bf16 module copies of its
+    # float32 master weights); the LM head, log-softmax and loss stay float32. fp16 needs a CUDA GPU (loss scaling).
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    # The no-grad old-policy and reference log-prob passes; `train` = as mixed_precision. The old-policy pass in
+    # the training precision makes the first pass's ratio exactly 1.
+    logprob_precision: Literal["train", "no", "bf16", "fp16"] = "train"
     deepspeed_stage: Literal[0, 2, 3] = 0  # 0 = plain DDP; 2 or 3 = DeepSpeed ZeRO through Accelerate
     offload: bool = False  # ZeRO: optimizer state (and, with 3, parameters) in CPU memory
     # A rank waiting this long on the others in one collective stops the run (a peer that hangs); torch's own

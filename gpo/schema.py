@@ -195,10 +195,17 @@ def _hints(schema: type) -> dict[str, Any]:
 
 
 def _numbers_as_text(node: Mapping[str, Any], schema: type) -> dict[str, Any]:
-    """`run_name=2024` or `eval.split=1` parse as numbers on the command line; a text field takes them as text."""
+    """`run_name=2024` or `eval.split=1` parse as numbers on the command line; a text field takes them as text, and
+    a choice of words takes back `no` (`engine.mixed_precision=no`), which YAML parses as false."""
     out = dict(node)
     for key, value in node.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool):  # YAML reads `no`/`yes` as booleans; a choice of those words takes them back
+            words = [c for h in _flatten_hint(_hints(schema).get(key)) if typing.get_origin(h) is typing.Literal
+                     for c in typing.get_args(h)]
+            word = "yes" if value else "no"
+            if word in words and value not in words:
+                out[key] = word
+        elif isinstance(value, (int, float)):
             options = _flatten_hint(_hints(schema).get(key))
             if str in options and not ({int, float} & set(options)):
                 out[key] = str(value)

@@ -172,6 +172,54 @@ def test_a_directory_store_needs_mlflows_opt_in(capsys, monkeypatch, tmp_path):
     assert cli.main(["run", "--dry-run", "backend=hf", f"output_dir={tmp_path}", f"tracker.uri={tmp_path}/ml"]) == 0
 
 
+# --- mixed precision ----------------------------------------------------------------------------------------------
+
+
+def cpu_only(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def a_gpu_without_bf16(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+
+
+@pytest.mark.parametrize("key", ["mixed_precision", "logprob_precision"])
+def test_fp16_on_cpu_is_refused_with_what_the_machine_runs(capsys, monkeypatch, key):
+    cpu_only(monkeypatch)
+    line = refused(capsys, *QUICK, f"engine.{key}=fp16")
+    assert f"engine.{key}=fp16: fp16 needs a CUDA GPU" in line and f"runs engine.{key}=no or bf16." in line
+
+
+def test_bf16_on_a_gpu_without_it_is_refused_with_what_it_runs(capsys, monkeypatch):
+    a_gpu_without_bf16(monkeypatch)
+    line = refused(capsys, *QUICK, "engine.mixed_precision=bf16")
+    assert "engine.mixed_precision=bf16: this GPU (Tesla V100) has no bf16" in line and "no or fp16." in line
+
+
+@pytest.mark.parametrize("args, says", [
+    (["engine.mixed_precision=bf16", "model.dtype=bfloat16"], "engine.mixed_precision=bf16 keeps float32 master"),
+    (["engine=zero2", "engine.mixed_precision=bf16", "engine.logprob_precision=no"], "engine.logprob_precision=no "
+                                                                                      "with DeepSpeed"),
+])
+def test_mixed_precision_without_float32_master_weights_is_refused(capsys, args, says):
+    assert says in refused(capsys, *QUICK, *args)
+
+
+def test_bf16_on_cpu_and_fp16_on_a_gpu_pass(capsys, monkeypatch, tmp_path):
+    cpu_only(monkeypatch)
+    assert cli.main(["run", "--dry-run", *QUICK, f"output_dir={tmp_path}", "engine.mixed_precision=bf16",
+                     "engine.logprob_precision=no"]) == 0
+    a_gpu_without_bf16(monkeypatch)
+    assert cli.main(["run", "--dry-run", *QUICK, f"output_dir={tmp_path}", "engine.mixed_precision=fp16"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 # --- what still passes ------------------------------------------------------------------------------------------
 
 

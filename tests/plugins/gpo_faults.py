@@ -26,7 +26,7 @@ def _due(variable: str, rank: int, step: int) -> bool:
     return rank == want_rank and step == want_step
 
 
-def update(self, kept):
+def update(self, kept, *rest):
     step = self.step_index + 1  # step_index counts finished steps
     if _due("GPO_FAULT_KILL", self.rank, step):
         print(f"gpo_faults: rank {self.rank} kills itself in step {step}", flush=True)
@@ -34,7 +34,7 @@ def update(self, kept):
     if _due("GPO_FAULT_HANG", self.rank, step):
         print(f"gpo_faults: rank {self.rank} hangs in step {step}", flush=True)
         time.sleep(3600)
-    return _update(self, kept)
+    return _update(self, kept, *rest)
 
 
 engine.Engine._update = update

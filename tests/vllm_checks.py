@@ -112,7 +112,8 @@ def _engine_checks(workdir: Path) -> dict:
         "params_changed": any(not torch.equal(b, p) for b, p in zip(before, policy.parameters())),
         "moved": float((trained - initial).abs().max()),
         "max_abs_diff": float((_vllm_fixed_logprobs(backend, fixed_prompt, fixed) - trained).abs().max()),
-        "is/weight_mean": metrics["is/weight_mean"], "is/clipped_frac": metrics["is/clipped_frac"],
+        "correction/weight_mean": metrics["correction/weight_mean"],
+        "correction/truncated_frac": metrics["correction/truncated_frac"],
     }
 
     # A manual AdamW step on the policy, deliberately without sync_weights.
@@ -182,7 +183,7 @@ def _rank_checks(workdir: Path, engine_name: str) -> dict:
         "rank": engine.rank, "world_size": engine.world_size, "generated": generated,
         "moved": float((trained - initial).abs().max()),
         "max_abs_diff": float((synced - trained).abs().max()),
-        "is/weight_mean": metrics["is/weight_mean"],
+        "correction/weight_mean": metrics["correction/weight_mean"],
         "no_sync": {"max_abs_diff": float((stale - now).abs().max()),
                     "stale_diff": float((stale - trained).abs().max())},
     }

@@ -306,7 +306,7 @@ def check_ranks(results: list[dict]) -> None:
         mine = [s["prompts"] for s in steps]
         assert all(len(p) == 2 for p in mine) and mine[0] != mine[1]  # 4 questions: 2 each, different ones
         assert steps[1]["seed"] == steps[0]["seed"] + 2  # seeds follow the global question index
-    assert all(0.5 < r["is/weight_mean"] < 1.5 for r in results)  # the whole step's mean, on every rank
+    assert all(0.5 < r["correction/weight_mean"] < 1.5 for r in results)  # the whole step's mean, on every rank
     for r in results:
         assert r["moved"] > MISMATCH  # the step changed the fixed completion's log-probs...
         assert r["max_abs_diff"] < TOLERANCE  # ...and this rank's vLLM reports the new ones
@@ -360,7 +360,7 @@ def test_after_a_real_engine_step_vllm_scores_like_the_trained_policy(engine_che
     assert r["params_changed"]
     assert r["moved"] > MISMATCH  # the step changed the log-probs of the fixed completion...
     assert r["max_abs_diff"] < TOLERANCE  # ...and vLLM, synced by the engine, reports the new ones
-    assert 0.5 < r["is/weight_mean"] < 1.5 and r["is/clipped_frac"] <= 0.05
+    assert 0.5 < r["correction/weight_mean"] < 1.5 and r["correction/truncated_frac"] <= 0.05
 
 
 @needs_vllm

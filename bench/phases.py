@@ -29,12 +29,11 @@ def build(args: argparse.Namespace):
     """The engine and one generated, rewarded batch (same seed, so every process gets the same batch)."""
     from gpo.metrics import PhaseTimer
 
-    eng = engine(f"model.path={args.model}", "task=arith", "algo=grpo", f"algo.beta={args.beta}", "pruner=topk",
+    eng = engine(f"model.path={args.model}", "task=arith", "algo=grpo", f"algo.beta={args.beta}", "pruner=none",
                  "allocator=static", f"train.questions_per_step={args.questions}", f"train.group_size={args.group}",
                  f"train.max_completion_length={args.max_new}", f"train.micro_batch_size={args.micro_batch}",
                  f"train.mu={args.mu}", "train.steps=1000", "optim.warmup_ratio=0", *args.set)
-    batch, _ = eng._rollout(args.questions, 0, PhaseTimer())
-    return eng, batch
+    return eng, eng.rollout.produce(0, 0, PhaseTimer()).rows  # every row: the arms prune it themselves
 
 
 def pruned(eng, batch, rate: float):
@@ -66,9 +65,9 @@ def decoder_positions(kept, micro_batch: int, shared: bool) -> int:
 def timed_phases(eng, kept) -> tuple[float, float]:
     """Seconds of the log-prob passes and of the update on `kept` (a fresh copy each time: fills mutate it)."""
     t0 = time.perf_counter()
-    eng._fill_logprobs(kept)
+    kept, mismatch = eng._fill_logprobs(kept)
     t1 = time.perf_counter()
-    eng._update(kept)
+    eng._update(kept, mismatch)
     return t1 - t0, time.perf_counter() - t1
 
 

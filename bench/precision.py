@@ -26,24 +26,20 @@ ARMS = ["no", "bf16"]
 def build(args: argparse.Namespace):
     """The engine and the kept rows of one step's rollout (the default step's objective, no pruning)."""
     from gpo.metrics import PhaseTimer
-    from gpo.step_math import kept_rows
 
     eng = engine(f"model.path={args.model}", "task=arith", "algo=grpo", f"algo.beta={args.beta}", "pruner=none",
                  "allocator=static", f"train.questions_per_step={args.questions}", f"train.group_size={args.group}",
                  f"train.max_completion_length={args.max_new}", f"train.micro_batch_size={args.micro_batch}",
                  f"train.mu={args.mu}", "train.steps=1000", "optim.warmup_ratio=0", *args.set)
-    rollout = eng.rollout.plan(0, PhaseTimer())
-    for batch, group_keep in rollout:
-        rollout.record(*kept_rows(eng.pruner, batch, group_keep, args.group, multiple_of=1))
-    return eng, rollout.kept()
+    return eng, eng.rollout.produce(0, 0, PhaseTimer()).rows
 
 
 def timed_phases(eng, kept) -> tuple[float, float]:
     """Seconds of the log-prob passes and of the update on `kept` (a fresh copy each time: fills mutate it)."""
     t0 = time.perf_counter()
-    eng._fill_logprobs(kept)
+    kept, mismatch = eng._fill_logprobs(kept)
     t1 = time.perf_counter()
-    eng._update(kept)
+    eng._update(kept, mismatch)
     return t1 - t0, time.perf_counter() - t1
 
 

@@ -1,7 +1,8 @@
 """Checkpoints: everything needed to resume a run exactly, written atomically, verified before loading, the last K kept.
 
 A checkpoint directory holds Accelerate's state (model, optimizer, scheduler, RNG states of every rank),
-`trainer_state.json` (step, data position, allocator state, best validation score) and, written last,
+`trainer_state.json` (step, data position, allocator state, best validation score), with train.max_staleness >= 1
+`rollout_queue.pt` (generated steps not yet trained, gpo/async_rollout.py) and, written last,
 `manifest.json`: the size in bytes of every other file. It is written under a temporary name, flushed to disk and
 renamed when complete, so a run killed while saving leaves the previous checkpoint intact.
 
@@ -23,9 +24,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpo.errors import UserError
 
 STATE_FILE = "trainer_state.json"
+QUEUE_FILE = "rollout_queue.pt"
 MANIFEST = "manifest.json"
 DAMAGED = "damaged.txt"
 PREFIX = "step-"
@@ -36,7 +40,8 @@ def checkpoint_dir(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:07d}"
 
 
-def save(accelerator: Any, root: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
+def save(accelerator: Any, root: Path, step: int, state: dict[str, Any], keep_last: int,
+         queued: list[Any] | None = None) -> Path:
     target = checkpoint_dir(root, step)
     tmp = target.with_name(f".{target.name}.tmp")
     if accelerator.is_main_process:
@@ -47,6 +52,8 @@ def save(accelerator: Any, root: Path, step: int, state: dict[str, Any], keep_la
     accelerator.wait_for_everyone()  # every rank writes its own RNG state (and ZeRO shards) before the rename
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2))
+        if queued:
+            torch.save(queued, tmp / QUEUE_FILE)
         write_manifest(tmp)
         if target.exists():
             _replace(target)
@@ -103,7 +110,10 @@ def load(accelerator: Any, path: Path) -> dict[str, Any]:
     if not (path / STATE_FILE).is_file():
         raise UserError(f"`{path}` is not a gpo checkpoint (no {STATE_FILE}).")
     accelerator.load_state(str(path))
-    return json.loads((path / STATE_FILE).read_text())
+    state = json.loads((path / STATE_FILE).read_text())
+    queue = path / QUEUE_FILE
+    state["queued"] = torch.load(queue, weights_only=False) if queue.is_file() else []  # gpo's own objects
+    return state
 
 
 def mark_damaged(path: Path, reason: str) -> None:

@@ -237,6 +237,7 @@ def _check_together(cfg: RunConfig) -> None:
     if cfg.engine.offload and cfg.engine.deepspeed_stage == 0:
         raise UserError("engine.offload needs DeepSpeed: set engine.deepspeed_stage=2 or 3 (engine=zero2 / zero3).")
     _check_precision(cfg)
+    _check_async(cfg)
     for name in E.tasks:  # scored at the end of the run: a typo must fail now, not after training
         registry.get("task", str(name))
     G = cfg.train.group_size
@@ -256,6 +257,24 @@ def _check_together(cfg: RunConfig) -> None:
     if isinstance(floor, int) and floor > G:
         raise UserError(f"pruner.min_keep_per_group={floor} is more than train.group_size={G}: a group cannot keep "
                         f"more rows than it has (use at most {G}).")
+
+
+def _check_async(cfg: RunConfig) -> None:
+    """What a generator process running ahead (train.max_staleness >= 1, gpo/async_rollout.py) supports so far."""
+    k = cfg.train.max_staleness
+    if not k:
+        return
+    why = None
+    if cfg.engine.num_processes > 1 or cfg.engine.deepspeed_stage:
+        why = "runs on one process without DeepSpeed (engine.num_processes=1, engine.deepspeed_stage=0)"
+    elif cfg.backend.name != "hf":
+        why = f"generates with backend=hf (gpo's decoder); backend={cfg.backend.name} is lockstep only"
+    elif getattr(cfg.backend.config, "decode", "gpo") != "gpo":
+        why = ("needs the generator's log-probs of its tokens, which backend.decode=generate does not report; use "
+               "backend.decode=gpo")
+    if why:
+        raise UserError(f"train.max_staleness={k}: a generator running ahead {why}. Use train.max_staleness=0 "
+                        f"for this setup.")
 
 
 def _check_precision(cfg: RunConfig) -> None:

@@ -143,7 +143,8 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         if f.name == "reward_components":
             continue
         value = getattr(batch, f.name)
-        if f.name in ("old_logprobs", "ref_logprobs", "sampler_logprobs", "is_weights", "is_keep"):
+        if f.name in ("old_logprobs", "ref_logprobs", "sampler_logprobs", "is_weights", "is_keep",
+                      "versions"):
             _require_same_presence(value is not None, f.name)
         parts[f.name] = gather_field(value, left=f.name.startswith("prompt"),
                                      pad=pad_token_id if f.name.endswith("_ids") else 0)

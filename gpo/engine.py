@@ -1,8 +1,9 @@
 """The training engine: one algorithm-blind step, the run loop, evaluation, checkpoints and tracking.
 
-`Engine.step` reads top to bottom (docs/architecture.md, "The step"): the rollout yields finished whole groups, the
-engine prunes them, then runs the log-prob passes and the update on the kept rows only. It only calls the component
-interfaces of gpo/types.py; it never names an algorithm, pruner, allocator or task.
+`Engine.step` reads top to bottom (docs/architecture.md, "The step"): the rollout source delivers the step's kept
+rows (whole groups, scored and pruned: in this process, or from a generator process running ahead with
+train.max_staleness >= 1), then the engine runs the log-prob passes and the update on them. It only calls the
+component interfaces of gpo/types.py; it never names an algorithm, pruner, allocator or task.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from gpo.config import to_yaml
 from gpo.distributed import all_reduce_sum, from_rank_zero, peer_failures_explained, shard, world
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, computing_in, micro_batches
-from gpo.metrics import MetricSums, PhaseTimer, mismatch_metrics
+from gpo.metrics import MetricSums, PhaseTimer, mismatch_metrics, staleness_metrics
 from gpo.models import export_model
 from gpo.parallel import accumulating, build_accelerator, full_state_dict, gathered, prepare_policy, prepare_reference
-from gpo.rollout import Rollout
+from gpo.rollout import Lockstep, Rollout, RolloutSource
 from gpo.run_config import RunConfig, as_dict
 from gpo.sampler import QuestionStream
-from gpo.step_math import corrected, kept_rows, step_totals
+from gpo.step_math import corrected, step_totals, within_staleness
 from gpo.tracking import flatten
 from gpo.types import RolloutBatch, StepTotals
 
@@ -79,6 +80,11 @@ class Engine:
         self.rollout = Rollout(T, cfg.seed, self.task, cfg.task.name, self.tokenizer, self.backend, self.objective,
                                self.selector, self.pruner, self.allocator, self.questions, self.accelerator,
                                self.policy, self.rank, self.world_size)
+        self.rollouts: RolloutSource = Lockstep(self.rollout)
+        if T.max_staleness:
+            from gpo.async_rollout import AsyncRollouts
+
+            self.rollouts = AsyncRollouts(cfg, self.rollout, self.policy)
         self.step_index = 0
         self.best_score: float | None = None
 
@@ -87,29 +93,25 @@ class Engine:
         """One training step (docs/architecture.md, "The step"): rewards, group filter, advantages and pruning all
         happen before any log-prob pass, so the old-policy, reference and training passes see only kept rows."""
         T, timer = self.train_cfg, PhaseTimer()
-        # 1-6 plan the rounds; each finished round comes back as whole groups with advantages and the group filter
-        rollout = self.rollout.plan(self.step_index, timer)
-        for batch, group_keep in rollout:
-            # 7 prune: decided on the whole step's batch, identically on every rank
-            rollout.record(*kept_rows(self.pruner, batch, group_keep, T.group_size, multiple_of=self.world_size))
+        # 1-7 rounds of generation and rewards, the group filter, advantages and pruning, on whole groups
+        produced = self.rollouts.next(self.step_index, timer)
+        rows, staleness = within_staleness(produced.rows, self.step_index, T.max_staleness)
         # 8 every rank trains its share of the kept rows
-        kept = shard(rollout.kept(), self.rank, self.world_size)
+        kept = shard(rows, self.rank, self.world_size)
         # 9 old and reference log-probs, only when needed, only on kept rows; the correction where pi_old is known
         with timer("logprobs"):
             kept, mismatch = self._fill_logprobs(kept)
         # 10 mu optimizer steps over the kept rows
         with timer("update"):
             update_metrics = self._update(kept, mismatch)
-        if "train/skipped" not in update_metrics:  # the generator gets the new weights (time/weight_sync)
-            with timer("weight_sync"):
-                self.backend.sync_weights(self.policy)
+        # the generator gets the new weights (time/weight_sync)
+        self.rollouts.publish(self.policy, self.step_index + 1, "train/skipped" not in update_metrics, timer)
         # 11 metrics of this step
         self.step_index += 1
         return {
-            **rollout.metrics(),
+            **produced.metrics,
+            **staleness_metrics(staleness, T.max_staleness),
             **update_metrics,
-            **self.allocator.metrics(),
-            **self.selector.metrics(),
             **timer.metrics(),
         }
 
@@ -177,6 +179,7 @@ class Engine:
 
         E = self.eval_cfg
         task = task or self.task
+        self.rollouts.evaluating(self.policy)
         examples = list(task.load(split or E.split))
         examples = examples[: E.limit] if E.limit else examples
         sampling = sampling_for(E, self.train_cfg.max_completion_length)
@@ -186,15 +189,12 @@ class Engine:
         return {f"eval/{tag}/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def save(self) -> Path:
-        state = {
-            "questions": self.questions.state_dict(),
-            "allocator": self.allocator.state_dict(),
-            "selector": self.selector.state_dict(),  # per-question history: resumed selections match
-            "best_score": self.best_score,
-            "run_name": self.run_name,
-        }
+        # the question stream, allocator and selector (per-question history: resumed selections match), and the
+        # generated steps not yet trained (train.max_staleness >= 1)
+        rollout_state, queued = self.rollouts.state_dict()
+        state = {**rollout_state, "best_score": self.best_score, "run_name": self.run_name}
         return checkpoint.save(self.accelerator, self.run_dir / "checkpoints", self.step_index, state,
-                               self.ckpt_cfg.keep_last)
+                               self.ckpt_cfg.keep_last, queued)
 
     def restore(self, path: Path) -> Path:
         """Load checkpoint `path` and return it. When loading fails and resume picked `path` from a folder (auto, or
@@ -225,9 +225,7 @@ class Engine:
             raise UserError(f"no checkpoint could be loaded (tried {', '.join(str(t) for t in tries)}). Resume "
                             f"from another one with resume=PATH, or start over without resume.")
         self.step_index = int(state["step"])
-        self.questions.load_state_dict(state["questions"])
-        self.allocator.load_state_dict(state["allocator"])
-        self.selector.load_state_dict(state.get("selector", {}))
+        self.rollouts.load_state_dict(state, state.pop("queued"), self.step_index)
         self.best_score = state.get("best_score")
         return candidate
 
@@ -336,6 +334,12 @@ class Engine:
             _print_summary(self.run_dir, final, summary, self.tracker.location())
         return summary
 
+    def close(self) -> None:
+        """Stop the generator process (train.max_staleness >= 1), then free what the parts hold (a generator on
+        the process group, vLLM, goes first)."""
+        self.rollouts.close()
+        self.parts.close()
+
     def _validate(self) -> None:
         scores = self.evaluate("validation")
         self.tracker.log_metrics(scores, step=self.step_index)
@@ -355,7 +359,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         try:
             return engine.run()
         finally:
-            engine.parts.close()  # a generator on the process group (vLLM) goes first
+            engine.close()
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()  # ZeRO-3 aborts at exit otherwise
 

@@ -119,6 +119,19 @@ def selection_metrics(total: RoundLedger, group_size: int, useful_rows: int) -> 
     return out
 
 
+def staleness_metrics(staleness: Tensor, max_staleness: int) -> dict[str, float]:
+    """async/*: how many policy versions old the weights that sampled the step's rows were (0 in lockstep). The
+    share of rows at each staleness 0..k (`async/staleness_d`), its mean and maximum, and the rows dropped for
+    exceeding train.max_staleness (never trained)."""
+    n = max(len(staleness), 1)
+    within = staleness[staleness <= max_staleness]
+    out = {f"async/staleness_{d}": float((within == d).sum()) / n for d in range(max_staleness + 1)}
+    out["async/staleness_mean"] = float(within.float().mean()) if len(within) else 0.0
+    out["async/staleness_max"] = float(within.max()) if len(within) else 0.0
+    out["async/dropped_rows"] = float(len(staleness) - len(within))
+    return out
+
+
 def mismatch_metrics(counts: dict[str, float]) -> dict[str, float]:
     """The step's generator/trainer mismatch and what the correction did, from `gpo.step_math.mismatch_counts` summed
     (maxima: maxed) over micro-batches and ranks; {} for a step without the generator's log-probs.

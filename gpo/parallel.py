@@ -137,7 +137,8 @@ def _count_ranks(accelerator: Any, timeout: datetime.timedelta) -> None:
 
 
 def zero3(accelerator: Any) -> bool:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    """Whether ZeRO-3 partitions the weights (never without an accelerator: a generator process has none)."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
     return plugin is not None and plugin.zero_stage == 3
 
 

@@ -55,6 +55,10 @@ class TrainConfig:
     # One decoder pass per distinct prompt in a micro-batch, its keys/values shared by that prompt's rows (same
     # log-probs and gradients; off for sliding-window models automatically). False: every row recomputes its prompt.
     share_prompt: bool = True
+    # Asynchronous rollouts (docs/async.md): 0 = lockstep, each step generates with the weights the previous step
+    # left. k >= 1: a generator process runs up to k steps ahead, and step j's rows are sampled by the weights after
+    # max(0, j - k) steps (every row is trained at most k policy versions after the one that sampled it).
+    max_staleness: NonNegativeInt = 0
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class EngineConfig:
     # A rank waiting this long on the others in one collective stops the run (a peer that hangs); torch's own
     # default is 30 minutes. Longer than any one phase a rank runs alone (generation, saving the model).
     collective_timeout_s: Positive = 600.0
+    # train.max_staleness >= 1: torch threads of the generator process (0 = half the cores); the trainer keeps the
+    # rest.
+    generator_threads: NonNegativeInt = 0
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,15 @@ def kept_rows(pruner: Pruner, batch: RolloutBatch, group_keep: Tensor, group_siz
     return candidates, pruner.keep(candidates, multiple_of=multiple_of)
 
 
+def within_staleness(rows: RolloutBatch, step: int, max_staleness: int) -> tuple[RolloutBatch, Tensor]:
+    """The rows that step `step` may train, those sampled at most `max_staleness` policy versions ago, and every
+    row's staleness ([N] long: step - version; 0 where rows carry no version)."""
+    versions = rows.versions if rows.versions is not None else torch.full((len(rows),), step, dtype=torch.long)
+    staleness = step - versions.long()  # [N]
+    within = staleness <= max_staleness
+    return (rows if bool(within.all()) else rows.select(within)), staleness
+
+
 def step_totals(objective: Objective, batch: RolloutBatch) -> StepTotals:
     """Rows and loss tokens of `batch`: what the objective divides by (summed over ranks for a multi-rank step).
 

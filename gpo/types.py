@@ -38,6 +38,9 @@ class RolloutBatch:
     # The generator/trainer correction's, set by the engine once pi_old is known (gpo.step_math.corrected):
     is_weights: Tensor | None = None  # [N, L] per-token loss weights
     is_keep: Tensor | None = None  # bool [N, L] tokens left in the loss; None: every one
+    # [N] long: the policy version (optimizer steps taken) whose weights generated the row; a step's staleness
+    # bound (train.max_staleness) is checked on it
+    versions: Tensor | None = None
     reward_components: dict[str, Tensor] = field(default_factory=dict)  # name -> [N]
 
     def __len__(self) -> int:
@@ -143,6 +146,7 @@ class RolloutBatch:
             sampler_logprobs=cat_optional("sampler_logprobs"),
             is_weights=cat_optional("is_weights"),
             is_keep=cat_optional("is_keep"),
+            versions=cat_optional("versions"),
             reward_components={
                 k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components
             },

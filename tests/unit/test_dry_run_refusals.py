@@ -75,6 +75,22 @@ def test_a_bad_correction_is_refused(capsys, args, says):
     assert says in refused(capsys, *QUICK, *args)
 
 
+# --- a generator running ahead (train.max_staleness >= 1) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, says", [
+    (["engine=ddp", "engine.num_processes=2"], "runs on one process without DeepSpeed"),
+    (["engine=zero2"], "runs on one process without DeepSpeed"),
+    (["backend=vllm"], "generates with backend=hf (gpo's decoder); backend=vllm is lockstep only"),
+    (["backend.decode=generate"], "needs the generator's log-probs of its tokens"),
+    (["train.max_staleness=-1"], "`train.max_staleness` must be >= 0"),
+])
+def test_what_async_rollouts_do_not_support_is_refused(capsys, args, says):
+    max_staleness = [] if any(a.startswith("train.max_staleness") for a in args) else ["train.max_staleness=1"]
+    line = refused(capsys, *QUICK, *max_staleness, *args)
+    assert says in line, line
+
+
 # --- where the run is written -------------------------------------------------------------------------------------
 
 

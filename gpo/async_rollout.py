@@ -1,0 +1,283 @@
+"""train.max_staleness = k >= 1: a generator process runs up to k steps ahead of the trainer (docs/async.md).
+
+The generator process holds a private copy of the policy and its own rollout parts (task, selector, pruner,
+allocator, backend) and produces whole steps, as `Lockstep` does in the engine's process: step j's rounds,
+rewards, advantages and pruning, generated with the trainer's weights after max(0, j - k) steps (version
+max(0, j - k)). The trainer takes step j from a queue, updates, and publishes its weights into a shared-memory
+copy; the generator loads them between steps, never inside one. A row is therefore trained at most k versions
+after the weights that sampled it, and which weights sample which step depends on the step alone, not on timing:
+an async run is reproducible, and a resumed one continues it exactly.
+
+Checkpoints: after step s the generator's steps s .. s+k-1 were sampled by weights a checkpoint no longer holds,
+so they are kept in it (`rollout_queue.pt`) with the rollout state after the last of them; on resume the
+generator restarts at step s+k with the checkpoint's weights (version s), as in the uninterrupted run.
+A generator process that dies is restarted from the last step it delivered (metric async/generator_restarts);
+it then samples with the newest weights, which keeps the bound but not the schedule. The generator exits with
+its trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import io
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpo import registry
+from gpo.errors import UserError
+from gpo.metrics import PhaseTimer
+from gpo.rollout import Produced, Rollout
+from gpo.run_config import RunConfig
+from gpo.sampler import QuestionStream
+
+POLL_S = 0.005  # a generator waiting for weights, or a trainer for a handshake, checks this often
+MAX_RESTARTS_WITHOUT_PROGRESS = 3  # a generator dying this often before delivering a step stops the run
+
+
+def sampling_version(step: int, max_staleness: int) -> int:
+    """The policy version (optimizer steps taken) whose weights sample step `step`."""
+    return max(0, step - max_staleness)
+
+
+@dataclass
+class _Spec:
+    """What a generator process is started with (pickled by the spawn context; tensors travel as shared memory)."""
+
+    cfg: RunConfig
+    shared: torch.nn.Module  # the published weights, in shared memory
+    published: Any  # multiprocessing Value: the version held in `shared`
+    taken: Any  # multiprocessing Value: the version the generator last copied out of `shared`
+    stop: Any  # multiprocessing Event
+    out: Any  # multiprocessing Queue of messages to the trainer
+    start_step: int
+    state: dict[str, Any]  # the rollout state to start from (Rollout.state_dict)
+    threads: int
+    parent_pid: int
+
+
+class AsyncRollouts:
+    """The engine's rollout source with a generator process (gpo.rollout.RolloutSource)."""
+
+    def __init__(self, cfg: RunConfig, rollout: Rollout, policy: torch.nn.Module) -> None:
+        self.cfg, self.rollout, self.policy = cfg, rollout, policy
+        self.k, self.steps = cfg.train.max_staleness, cfg.train.steps
+        self.state = rollout.state_dict()  # the state after the newest step delivered (or the start)
+        self.frontier = -1  # that step (-1: none yet; the generator starts at frontier + 1)
+        self.ready: dict[int, Produced] = {}
+        self.restarts, self.failures_in_a_row = 0, 0
+        self.process: Any = None
+        self.evaluation_stale = False
+        self._ctx = torch.multiprocessing.get_context("spawn")
+
+    # --- RolloutSource -----------------------------------------------------------------------------------------
+    def next(self, step: int, timer: PhaseTimer) -> Produced:
+        if self.process is None:
+            self._start(step)
+        self._receive(block=False)
+        depth = len(self.ready)
+        with timer("trainer_idle"):
+            while step not in self.ready:
+                self._receive(block=True)
+        produced = self.ready.pop(step)
+        produced.metrics.update({"async/queue_depth": float(depth), "async/generator_restarts": float(self.restarts)})
+        return produced
+
+    def publish(self, policy: Any, version: int, changed: bool, timer: PhaseTimer) -> None:
+        """Write the weights after `version` steps into the shared copy, once the generator has copied out the
+        version held there (or has delivered every step, needing no more weights)."""
+        with timer("weight_sync"):
+            held = int(self.published.value)
+            while int(self.taken.value) < held and self.frontier < self.steps - 1:
+                self._receive(block=False)
+                self._alive_or_restarted()
+                time.sleep(POLL_S)
+            if changed:
+                _copy_weights(policy, self.shared)
+            self.published.value = version
+        self.evaluation_stale = self.evaluation_stale or changed
+
+    def state_dict(self) -> tuple[dict[str, Any], list[Produced]]:
+        """The steps the trainer has yet to train that were sampled by older weights than its own, and the rollout
+        state after the last of them. Waits for the generator to deliver them."""
+        start = min(self.ready) if self.ready else self.frontier + 1
+        if self.process is None:  # not started (saved before the first step): nothing generated yet
+            return self.state, [self.ready[j] for j in sorted(self.ready)]
+        last = min(start + self.k, self.steps) - 1
+        while self.frontier < last:
+            self._receive(block=True)
+        queued = [self.ready[j] for j in range(start, last + 1)]
+        return (queued[-1].state if queued else self.state), queued
+
+    def load_state_dict(self, state: dict[str, Any], queued: list[Produced], step: int) -> None:
+        """Continue after step `step` - 1: the queued steps are steps `step`, `step` + 1, ..."""
+        self.close()
+        self.state, self.ready = state, {step + i: p for i, p in enumerate(queued)}
+        self.frontier = step + len(queued) - 1
+        self.rollout.load_state_dict(state)
+
+    def evaluating(self, policy: Any) -> None:
+        """The trainer's own backend (used for evaluation) gets the current weights, once per change."""
+        if self.evaluation_stale:
+            self.rollout.backend.sync_weights(policy)
+            self.evaluation_stale = False
+
+    def close(self) -> None:
+        if self.process is None:
+            return
+        self.stop.set()
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+        self.process = None
+
+    # --- the generator process ---------------------------------------------------------------------------------
+    def _start(self, step: int) -> None:
+        """The shared weights (the trainer's, version `step`) and the generator, which starts after the newest step
+        delivered; the cores are split between the two processes."""
+        total = torch.get_num_threads()
+        self.threads = self.cfg.engine.generator_threads or max(1, total // 2)
+        torch.set_num_threads(max(1, total - self.threads))
+        self.shared = copy.deepcopy(self.policy).requires_grad_(False).share_memory()
+        self.published = self._ctx.Value("q", step, lock=False)
+        self.taken = self._ctx.Value("q", -1, lock=False)
+        self.stop = self._ctx.Event()
+        self.out = self._ctx.Queue()
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.stop.clear()
+        self.taken.value = -1  # the trainer writes no weights until the new generator has copied them
+        spec = _Spec(self.cfg, self.shared, self.published, self.taken, self.stop, self.out, self.frontier + 1,
+                     self.state, self.threads, os.getpid())
+        self.process = self._ctx.Process(target=generate_ahead, args=(spec,), daemon=True, name="gpo-generator")
+        self.process.start()
+        self.spawned_at = self.frontier
+
+    def _receive(self, block: bool) -> None:
+        """Take the generator's messages; while blocking, restart a generator that died."""
+        while True:
+            try:
+                message = self.out.get(timeout=1.0) if block else self.out.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return
+                self._alive_or_restarted()
+                continue
+            kind, payload = message
+            if kind == "user_error":
+                raise UserError(payload)
+            if kind == "error":
+                raise RuntimeError(f"the generator process failed:\n{payload}")
+            produced = torch.load(io.BytesIO(payload), weights_only=False)
+            step = produced.step
+            self.ready[step] = produced.value
+            self.frontier, self.state = step, produced.value.state
+            return
+
+    def _alive_or_restarted(self) -> None:
+        if self.process is None or self.process.is_alive():
+            return
+        code = self.process.exitcode
+        if code == 0:  # it delivered every step; they may still be in the queue
+            self._receive(block=False)
+            if self.frontier >= self.steps - 1:
+                return
+        if self.frontier == self.spawned_at:  # died again before delivering a step
+            self.failures_in_a_row += 1
+            if self.failures_in_a_row >= MAX_RESTARTS_WITHOUT_PROGRESS:
+                raise RuntimeError(f"the generator process died {self.failures_in_a_row} times in a row before "
+                                   f"delivering a step (last exit code {code})")
+        else:
+            self.failures_in_a_row = 0
+        self.restarts += 1
+        print(f"gpo: the generator process ended (exit code {code}); restarting it after step {self.frontier}",
+              flush=True)
+        self._spawn()
+
+
+@dataclass
+class _Delivered:
+    step: int
+    value: Produced
+
+
+def generate_ahead(spec: _Spec) -> None:
+    """The generator process: produce steps from `spec.start_step` to train.steps - 1, each with the weights its
+    schedule names (or newer ones after a restart), and send them to the trainer."""
+    _end_with_parent()
+    torch.set_num_threads(spec.threads)
+    cfg, rollout = spec.cfg, None
+    try:
+        registry.load_builtins()
+        registry.load_plugins(cfg.plugins)
+        model = copy.deepcopy(spec.shared)  # private: the trainer rewrites the shared copy while this one samples
+        version = int(spec.published.value)
+        spec.taken.value = version
+        rollout = _rollout(cfg, model)
+        rollout.load_state_dict(spec.state)
+        for step in range(spec.start_step, cfg.train.steps):
+            waited = time.perf_counter()
+            while version < sampling_version(step, cfg.train.max_staleness):
+                if int(spec.published.value) > version:
+                    _copy_weights(spec.shared, model)
+                    version = int(spec.published.value)
+                    spec.taken.value = version
+                    rollout.backend.sync_weights(model)  # a lower-precision copy follows (backend.precision)
+                elif spec.stop.is_set() or os.getppid() != spec.parent_pid:
+                    return
+                else:
+                    time.sleep(POLL_S)
+            idle = time.perf_counter() - waited
+            timer = PhaseTimer()
+            produced = rollout.produce(step, version, timer)
+            produced.metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
+            produced.metrics["time/generator_idle"] = idle
+            buffer = io.BytesIO()
+            torch.save(_Delivered(step, produced), buffer)
+            spec.out.put(("step", buffer.getvalue()))
+            if spec.stop.is_set():
+                return
+    except UserError as exc:
+        spec.out.put(("user_error", str(exc)))
+    except BaseException:
+        spec.out.put(("error", traceback.format_exc()))
+    finally:
+        if rollout is not None:
+            rollout.task.close()
+
+
+def _rollout(cfg: RunConfig, model: torch.nn.Module) -> Rollout:
+    """The generator's own rollout parts, built as gpo.build does for the engine, around the given model."""
+    from gpo.models import load_tokenizer
+
+    objective = registry.build(cfg.algo, max_completion_length=cfg.train.max_completion_length)
+    selector, pruner = registry.build(cfg.selector), registry.build(cfg.pruner)
+    allocator, task = registry.build(cfg.allocator), registry.build(cfg.task)
+    tokenizer = load_tokenizer(cfg.model)
+    backend = registry.build(cfg.backend, model=model, tokenizer=tokenizer)
+    questions = QuestionStream(task.load("train"), cfg.seed)
+    return Rollout(cfg.train, cfg.seed, task, cfg.task.name, tokenizer, backend, objective, selector, pruner,
+                   allocator, questions, accelerator=None, policy=model)
+
+
+def _copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True):
+            b.copy_(a)
+
+
+def _end_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent (the trainer) dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the generator notices a new parent at its next wait

@@ -1,0 +1,148 @@
+"""train.max_staleness >= 1 (gpo/async_rollout.py): a generator process samples step j with the weights after
+max(0, j - k) steps while the trainer updates. Every trained row keeps the bound; the generator's own log-probs
+are the behaviour policy the correction weighs against; a dying generator is restarted; a killed trainer takes its
+generator with it, and resume=auto with a non-empty queue reproduces the uninterrupted run."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from gpo.async_rollout import sampling_version
+from gpo.config import compose
+from gpo.engine import Engine
+from gpo.logprobs import TokenLogprobs, batch_logprobs
+from test_faults import ended_within, final_params
+from test_multiprocess import PLUGINS, finish, start
+
+sys.path.insert(0, str(PLUGINS))  # gpo_toy for the runs in this process
+
+SMALL = ["tracker=none", "task=toy", "plugins=[gpo_toy]", "train.group_size=4", "train.questions_per_step=2",
+         "train.max_completion_length=8", "train.micro_batch_size=8", "optim.lr=1e-2", "optim.warmup_ratio=0",
+         "optim.schedule=constant", "eval.before_and_after=false"]
+
+
+def engine(model: str, tmp_path, *extra: str) -> Engine:
+    return Engine(compose([f"model.path={model}", f"output_dir={tmp_path}", *SMALL, *extra]))
+
+
+def recorded(eng: Engine) -> list:
+    """The rows each step was given by the rollout source, in order."""
+    seen: list = []
+    plain = eng.rollouts.next
+
+    def next_step(step, timer):
+        produced = plain(step, timer)
+        seen.append(copy.deepcopy(produced.rows))
+        return produced
+
+    eng.rollouts.next = next_step
+    return seen
+
+
+def test_every_row_is_sampled_by_its_scheduled_version_and_trained_within_the_bound(tiny_model_path, tmp_path):
+    k, steps = 2, 5
+    eng = engine(tiny_model_path, tmp_path, f"train.max_staleness={k}", f"train.steps={steps}", "algo=dapo",
+                 "pruner=topk", "pruner.rate=0.5", "allocator=dynamic")
+    seen = recorded(eng)
+    metrics = [eng.step() for _ in range(steps)]
+    generator = eng.rollouts.process
+    eng.close()
+
+    for step, (rows, m) in enumerate(zip(seen, metrics, strict=True)):
+        assert len(rows) > 0 and rows.versions is not None
+        assert set(rows.versions.tolist()) == {sampling_version(step, k)}, step  # 0, 0, 0, 1, 2
+        staleness = step - sampling_version(step, k)
+        assert m["async/staleness_mean"] == m["async/staleness_max"] == staleness <= k
+        assert m[f"async/staleness_{staleness}"] == 1.0 and m["async/dropped_rows"] == 0
+        assert m["train/rows"] == len(rows)  # every delivered row was trained
+    assert [sampling_version(j, k) for j in range(steps)] == [0, 0, 0, 1, 2]
+    assert metrics[-1]["async/generator_restarts"] == 0 and metrics[-1]["async/queue_depth"] >= 1
+    assert not generator.is_alive()  # close() ends the generator process
+
+
+def test_the_generators_logprobs_are_the_behaviour_policy_the_correction_weighs_against(tiny_model_path, tmp_path):
+    """Step 1 of k = 1 is sampled by version 0 and trained at version 1: its rows' generator log-probs are version
+    0's, and the token-level correction (tis, cap 2) weighs each token by min(pi_1 / pi_0, 2)."""
+    eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=2", "correction=tis",
+                 "correction.cap=2")
+    version0 = copy.deepcopy(eng.policy)
+    seen = recorded(eng)
+    weights: list[torch.Tensor] = []
+    plain_loss = eng.objective.loss
+
+    def loss(logp, batch, totals):
+        weights.append(batch.is_weights.detach().clone())
+        return plain_loss(logp, batch, totals)
+
+    eng.objective.loss = loss
+    eng.step()
+    version1 = copy.deepcopy(eng.policy)
+    weights.clear()
+    eng.step()
+    eng.close()
+
+    rows = seen[1]
+    assert rows.versions.tolist() == [0] * len(rows)
+    mask = rows.completion_mask.bool()
+    pi0 = batch_logprobs(TokenLogprobs(version0), rows, 8, 1.0)  # [N, L]
+    pi1 = batch_logprobs(TokenLogprobs(version1), rows, 8, 1.0)
+    torch.testing.assert_close(rows.sampler_logprobs[mask], pi0[mask], atol=2e-5, rtol=0)
+    assert (pi1 - pi0)[mask].abs().max() > 1e-3  # the step moved the policy: the weights below are not all 1
+    expected = torch.exp(pi1 - pi0).clamp(max=2.0)
+    got = torch.cat([w for w in weights])[: len(rows)]
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-4, rtol=1e-4)
+
+
+def test_a_generator_that_dies_is_restarted_and_the_run_goes_on(tiny_model_path, tmp_path):
+    eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=4")
+    first = [eng.step(), eng.step()]
+    victim = eng.rollouts.process
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=30)
+    rest = [eng.step(), eng.step()]
+    eng.close()
+    assert first[-1]["async/generator_restarts"] == 0 and rest[-1]["async/generator_restarts"] == 1
+    assert all(m["async/staleness_max"] <= 1 and m["async/dropped_rows"] == 0 for m in first + rest)
+    assert all(m["train/rows"] == 8 for m in first + rest)
+
+
+def session_processes(sid: int) -> list[str]:
+    out = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(sid)], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_sigkill_with_a_queue_ends_the_generator_and_resume_reproduces_the_uninterrupted_run(tiny_model_path,
+                                                                                             tmp_path):
+    """k = 2, a checkpoint after every step, the trainer SIGKILLed in step 3: the checkpoint after step 2 holds the
+    generated steps 2 and 3 (sampled by versions 0 and 1, which no checkpoint holds); resuming ends with the
+    uninterrupted run's weights, and the killed trainer's generator is gone."""
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *SMALL, "plugins=[gpo_toy,gpo_faults]",
+            "train.max_staleness=2", "train.steps=4", "checkpoint.every=1"]
+    straight = start([*base, "run_name=straight"], tmp_path / "straight.jsonl")
+    killed = start([*base, "run_name=killed"], tmp_path / "killed.jsonl", env={"GPO_FAULT_KILL": "0:3"})
+    finish(straight)
+    status, out, _ = ended_within(killed, 300)
+    assert status != 0 and "gpo_faults: rank 0 kills itself in step 3" in out, out[-4000:]
+    deadline = time.monotonic() + 20
+    while session_processes(killed.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert session_processes(killed.pid) == []  # the generator ended with its trainer
+
+    queued = tmp_path / "killed" / "checkpoints" / "step-0000002" / "rollout_queue.pt"
+    held = torch.load(queued, weights_only=False)
+    assert [p.rows.versions.unique().tolist() for p in held] == [[0], [1]]
+    out = finish(start([*base, "run_name=killed", "resume=auto"], tmp_path / "resumed.jsonl"))
+    assert "at step 2" in out, out[-4000:]
+    expected, got = final_params(tmp_path / "straight"), final_params(tmp_path / "killed")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=0, rtol=0, msg=name)

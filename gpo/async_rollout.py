@@ -214,6 +214,8 @@ def generate_ahead(spec: _Spec) -> None:
     """The generator process: produce steps from `spec.start_step` to train.steps - 1, each with the weights its
     schedule names (or newer ones after a restart), and send them to the trainer."""
     _end_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a pre-emption reaches the whole group: the trainer
+        signal.signal(sig, signal.SIG_IGN)       # saves (which may wait for this process), then stops it
     torch.set_num_threads(spec.threads)
     cfg, rollout = spec.cfg, None
     try:

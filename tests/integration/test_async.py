@@ -114,6 +114,25 @@ def test_a_generator_that_dies_is_restarted_and_the_run_goes_on(tiny_model_path,
     assert all(m["train/rows"] == 8 for m in first + rest)
 
 
+def test_rows_over_a_tighter_bound_are_dropped_and_counted(tiny_model_path, tmp_path):
+    """A checkpoint of a k = 2 run after step 2, resumed with k = 1: its queued steps 2 and 3 were sampled by
+    versions 0 and 1, two versions before the trainer's, so none of their rows is trained; step 4, sampled by the
+    resumed generator with version 3, is within the new bound."""
+    first = engine(tiny_model_path, tmp_path, "train.max_staleness=2", "train.steps=4", "run_name=bound")
+    first.step(), first.step()
+    first.save()
+    first.close()
+    again = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=5", "run_name=bound",
+                   "resume=auto")
+    again.restore(again.resume_path())
+    steps = [again.step() for _ in range(3)]
+    again.close()
+    for dropped in steps[:2]:
+        assert dropped["async/dropped_rows"] == 8 and dropped["train/skipped"] == 1
+        assert dropped["async/staleness_0"] == dropped["async/staleness_1"] == 0
+    assert steps[2]["async/dropped_rows"] == 0 and steps[2]["async/staleness_1"] == 1 and steps[2]["train/rows"] == 8
+
+
 def session_processes(sid: int) -> list[str]:
     out = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(sid)], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.strip()]

@@ -45,6 +45,14 @@ def test_grid_is_the_product_with_inapplicable_overrides_dropped_and_duplicates_
     assert all(r.cfg.task.name == "toy" for r in p.runs)
 
 
+def test_the_staleness_bound_is_an_axis_and_its_refusals_reach_the_plan():
+    p = plan(["train.max_staleness=0,1,2,4", *TOY])
+    assert [r.combination for r in p.runs] == [f"train.max_staleness={k}" for k in (0, 1, 2, 4)]
+    assert [r.cfg.train.max_staleness for r in p.runs] == [0, 1, 2, 4]
+    with pytest.raises(UserError, match="a generator running ahead runs on one process"):
+        plan(["train.max_staleness=0,1", "engine=ddp", "engine.num_processes=2", *TOY])
+
+
 def test_a_fixed_component_override_applies_where_it_exists():
     p = plan(["pruner=none,topk", "pruner.rate=0.5", *TOY])
     assert [(r.combination, getattr(r.cfg.pruner.config, "rate", None)) for r in p.runs] == [("pruner=none", None),

@@ -163,7 +163,7 @@ class AsyncRollouts:
         self.spawned_at = self.frontier
 
     def _receive(self, block: bool) -> None:
-        """Take the generator's messages; while blocking, restart a generator that died."""
+        """Take every message waiting (block: wait for one step, restarting a generator that died)."""
         while True:
             try:
                 message = self.out.get(timeout=1.0) if block else self.out.get_nowait()
@@ -177,11 +177,11 @@ class AsyncRollouts:
                 raise UserError(payload)
             if kind == "error":
                 raise RuntimeError(f"the generator process failed:\n{payload}")
-            produced = torch.load(io.BytesIO(payload), weights_only=False)
-            step = produced.step
-            self.ready[step] = produced.value
-            self.frontier, self.state = step, produced.value.state
-            return
+            delivered = torch.load(io.BytesIO(payload), weights_only=False)
+            self.ready[delivered.step] = delivered.value
+            self.frontier, self.state = delivered.step, delivered.value.state
+            if block:
+                return
 
     def _alive_or_restarted(self) -> None:
         if self.process is None or self.process.is_alive():
@@ -201,6 +201,7 @@ class AsyncRollouts:
         self.restarts += 1
         print(f"gpo: the generator process ended (exit code {code}); restarting it after step {self.frontier}",
               flush=True)
+        self.out = self._ctx.Queue()  # a process killed while writing may leave half a message in the old one
         self._spawn()
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from gpo import registry
+from gpo.build import build
 from gpo.errors import UserError
 from gpo.metrics import PhaseTimer
 from gpo.rollout import Produced, Rollout
@@ -242,6 +243,7 @@ def generate_ahead(spec: _Spec) -> None:
             idle = time.perf_counter() - waited
             timer = PhaseTimer()
             produced = rollout.produce(step, version, timer)
+            produced.state = rollout.state_dict()  # a resume from a checkpoint that queues this step continues here
             produced.metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
             produced.metrics["time/generator_idle"] = idle
             buffer = io.BytesIO()
@@ -259,17 +261,11 @@ def generate_ahead(spec: _Spec) -> None:
 
 
 def _rollout(cfg: RunConfig, model: torch.nn.Module) -> Rollout:
-    """The generator's own rollout parts, built as gpo.build does for the engine, around the given model."""
-    from gpo.models import load_tokenizer
-
-    objective = registry.build(cfg.algo, max_completion_length=cfg.train.max_completion_length)
-    selector, pruner = registry.build(cfg.selector), registry.build(cfg.pruner)
-    allocator, task = registry.build(cfg.allocator), registry.build(cfg.task)
-    tokenizer = load_tokenizer(cfg.model)
-    backend = registry.build(cfg.backend, model=model, tokenizer=tokenizer)
-    questions = QuestionStream(task.load("train"), cfg.seed)
-    return Rollout(cfg.train, cfg.seed, task, cfg.task.name, tokenizer, backend, objective, selector, pruner,
-                   allocator, questions, accelerator=None, policy=model)
+    """The generator's own rollout parts, built by gpo.build as for the engine, around the given model."""
+    parts = build(cfg, trainable=False, policy=model)
+    questions = QuestionStream(parts.task.load("train"), cfg.seed)
+    return Rollout(cfg.train, cfg.seed, parts.task, cfg.task.name, parts.tokenizer, parts.backend, parts.objective,
+                   parts.selector, parts.pruner, parts.allocator, questions, accelerator=None, policy=model)
 
 
 def _copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:

@@ -34,9 +34,11 @@ class Components:
             part.close()
 
 
-def build(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable: bool = True) -> Components:
+def build(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable: bool = True,
+          policy: Any = None) -> Components:
     """Every part of a run: components, tokenizer, policy (trainable unless evaluating), reference, backend; the
-    tracker only on rank 0 with a run directory (a null one otherwise).
+    tracker only on rank 0 with a run directory (a null one otherwise). A given `policy` is used as it is instead
+    of loading one (the async generator builds its parts around its own copy).
 
     Under ZeRO-3 the accelerator must exist first (models are then loaded partitioned); the engine builds it and
     then calls this."""
@@ -50,7 +52,8 @@ def build(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable:
     correction = registry.build(cfg.correction)
     tracker = registry.build(cfg.tracker, run_dir=str(run_dir)) if rank == 0 and run_dir is not None else NullTracker()
     tokenizer = load_tokenizer(cfg.model)
-    policy = load_policy(cfg.model, trainable=trainable)
+    if policy is None:
+        policy = load_policy(cfg.model, trainable=trainable)
     reference = load_policy(cfg.model, trainable=False) if trainable and objective.needs_ref_logprobs else None
     backend = registry.build(cfg.backend, model=policy, tokenizer=tokenizer)
     return Components(objective, selector, pruner, allocator, task, tracker, tokenizer, policy, reference, backend,

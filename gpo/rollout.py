@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -77,7 +77,7 @@ class Rollout:
         for batch, group_keep in run:
             run.record(*kept_rows(self.pruner, batch, group_keep, self.train.group_size, multiple_of=self.world_size))
         metrics = {**run.metrics(), **self.allocator.metrics(), **self.selector.metrics()}
-        return Produced(run.kept(), metrics, self.state_dict())
+        return Produced(run.kept(), metrics)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the question stream stands and what the allocator and selector remember (checkpointed)."""
@@ -124,11 +124,12 @@ class Rollout:
 @dataclass
 class Produced:
     """One step's rollouts, ready to train: every kept row (in the order rounds finished), the rollout's metrics,
-    and the rollout's `state_dict` once it was produced (what a resume continues from)."""
+    and, where the step is queued (async), the rollout's `state_dict` once it was produced (what a resume
+    continues from); lockstep asks the rollout itself when it saves."""
 
     rows: RolloutBatch
     metrics: dict[str, float]
-    state: dict[str, Any]
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 class RolloutSource(Protocol):

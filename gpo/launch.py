@@ -59,7 +59,21 @@ def run(cfg: RunConfig, gpo_args: list[str]) -> int:
     from gpo.engine import train
 
     train(cfg)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _end_finished_rank()
     return 0
+
+
+def _end_finished_rank() -> None:
+    """End a rank whose run finished (saved, tracker ended, process group destroyed) without the interpreter's
+    teardown: native threads of DeepSpeed's ZeRO-3 offload can abort it ("terminate called without an active
+    exception"), and the launcher would then report a finished run as failed."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def relaunch(engine: EngineConfig, gpo_args: list[str]) -> int:

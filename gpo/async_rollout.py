@@ -257,6 +257,7 @@ def generate_ahead(spec: _Spec) -> None:
         spec.out.put(("error", traceback.format_exc()))
     finally:
         if rollout is not None:
+            rollout.backend.close()
             rollout.task.close()
 
 

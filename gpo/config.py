@@ -267,11 +267,13 @@ def _check_async(cfg: RunConfig) -> None:
     why = None
     if cfg.engine.num_processes > 1 or cfg.engine.deepspeed_stage:
         why = "runs on one process without DeepSpeed (engine.num_processes=1, engine.deepspeed_stage=0)"
-    elif cfg.backend.name != "hf":
-        why = f"generates with backend=hf (gpo's decoder); backend={cfg.backend.name} is lockstep only"
+    elif cfg.backend.name not in ("hf", "vllm"):
+        why = f"generates with backend=hf or backend=vllm; backend={cfg.backend.name} is lockstep only"
     elif getattr(cfg.backend.config, "decode", "gpo") != "gpo":
         why = ("needs the generator's log-probs of its tokens, which backend.decode=generate does not report; use "
                "backend.decode=gpo")
+    elif getattr(cfg.backend.config, "report_logprobs", True) is False:
+        why = "needs the generator's log-probs of its tokens (the behaviour policy): set backend.report_logprobs=true"
     if why:
         raise UserError(f"train.max_staleness={k}: a generator running ahead {why}. Use train.max_staleness=0 "
                         f"for this setup.")

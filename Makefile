@@ -6,10 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.gpo-installed
 VLLM   ?= 1
 VLLM_STAMP := $(VENV)/.gpo-vllm-installed
-# Test processes side by side (pytest-xdist), each taking whole files: many tests wait on processes they start.
-WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
-# Modules are byte-compiled when first imported instead of all at install (most are never imported: 3x faster).
+# Modules are byte-compiled when first imported, not all at install: most of them are never imported.
 PIP := $(BIN)/python -m pip install --quiet --no-compile
 
 .PHONY: run test test-unit check install
@@ -22,12 +19,12 @@ run: $(STAMP)
 # unpacking), which would otherwise wait for each other.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 check $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
-	$(PYTEST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The fast tier while editing: pure functions, components and config (a few minutes on two cores), without the
 # static checks, vLLM or any engine run on a model; `make test` before pushing.
 test-unit: $(STAMP)
-	$(PYTEST) tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # Static checks, before the tests: ruff (lint and import order) and mypy (tools/typecheck.py: mypy over gpo as it
 # installs and over bench/, cached in .mypy_cache; a few seconds once warm, a few minutes on a fresh checkout).

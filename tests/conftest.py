@@ -34,16 +34,12 @@ settings.load_profile("gpo")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test with its tier, the folder under tests/ it lives in, and run the slow files first."""
+    """Mark each test with its tier, the folder under tests/ it lives in."""
     tests = REPO / "tests"
     for item in items:
         parts = Path(str(item.path)).resolve().relative_to(tests).parts
         if parts and parts[0] in TIERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
-    # Files with slow tests first: `make test` deals whole files to two workers in this order, and the long ones
-    # started last would leave one worker alone at the end.
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
 
 
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from gpo import registry
-from gpo.build import build
+from gpo.build import Components, build
 from gpo.errors import UserError
 from gpo.metrics import PhaseTimer
 from gpo.rollout import Produced, Rollout
@@ -219,14 +219,15 @@ def generate_ahead(spec: _Spec) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a pre-emption reaches the whole group: the trainer
         signal.signal(sig, signal.SIG_IGN)       # saves (which may wait for this process), then stops it
     torch.set_num_threads(spec.threads)
-    cfg, rollout = spec.cfg, None
+    cfg, parts = spec.cfg, None
     try:
         registry.load_builtins()
         registry.load_plugins(cfg.plugins)
         model = copy.deepcopy(spec.shared)  # private: the trainer rewrites the shared copy while this one samples
         version = int(spec.published.value)
         spec.taken.value = version
-        rollout = _rollout(cfg, model)
+        parts = build(cfg, trainable=False, policy=model)
+        rollout = _rollout(cfg, parts)
         rollout.load_state_dict(spec.state)
         for step in range(spec.start_step, cfg.train.steps):
             waited = time.perf_counter()
@@ -256,17 +257,15 @@ def generate_ahead(spec: _Spec) -> None:
     except BaseException:
         spec.out.put(("error", traceback.format_exc()))
     finally:
-        if rollout is not None:
-            rollout.backend.close()
-            rollout.task.close()
+        if parts is not None:
+            parts.close()
 
 
-def _rollout(cfg: RunConfig, model: torch.nn.Module) -> Rollout:
-    """The generator's own rollout parts, built by gpo.build as for the engine, around the given model."""
-    parts = build(cfg, trainable=False, policy=model)
+def _rollout(cfg: RunConfig, parts: Components) -> Rollout:
+    """The generator's rollout over its own parts (gpo.build around its private model)."""
     questions = QuestionStream(parts.task.load("train"), cfg.seed)
     return Rollout(cfg.train, cfg.seed, parts.task, cfg.task.name, parts.tokenizer, parts.backend, parts.objective,
-                   parts.selector, parts.pruner, parts.allocator, questions, accelerator=None, policy=model)
+                   parts.selector, parts.pruner, parts.allocator, questions, accelerator=None, policy=parts.policy)
 
 
 def _copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:

@@ -14,9 +14,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "benchmarks.md"
@@ -50,6 +51,27 @@ def freeze_weights(eng) -> None:
     """Learning rate 0 on a built engine: every step still does all its work (gradients, an AdamW update) but the
     weights stay put. A run config refuses optim.lr=0 (a user's run would train nothing), so benchmarks set it here."""
     set_lr(eng, 0.0)
+
+
+def replayed_steps(eng, arms: list, repeats: int, setup: Callable[[Any], None]) -> dict[Any, list[dict]]:
+    """One engine steps every arm on the same questions: before each arm's step (after `setup(arm)` swaps its
+    parts in) the question stream and step counter are rewound, so every arm draws the same questions with the same
+    seeds. The arms' order rotates from repeat to repeat (a step's speed depends on the step before it in the
+    process); repeat 0 warms every arm up and is not returned. Each arm's step metrics, one dict per repeat."""
+    runs: dict[Any, list[dict]] = {arm: [] for arm in arms}
+    for repeat in range(repeats + 1):
+        start = (eng.questions.state_dict(), eng.step_index)
+        for arm in arms[repeat % len(arms):] + arms[: repeat % len(arms)]:
+            setup(arm)
+            eng.questions.load_state_dict(start[0])
+            eng.step_index = start[1]
+            metrics = eng.step()
+            if repeat:
+                runs[arm].append(metrics)
+        eng.questions.load_state_dict(start[0])  # the next repeat draws the questions after these
+        eng.questions.take(eng.train_cfg.questions_per_step)
+        eng.step_index = start[1] + 1
+    return runs
 
 
 def add_common(parser) -> None:
@@ -101,13 +123,36 @@ def write_section(key: str, title: str, body: str, args, variant: str = "") -> N
         key, title = f"{key} {variant}", f"{title} ({variant})"
     command = "python " + " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
     section = (f"<!-- bench:{key} -->\n## {title}\n\n`{command}` ({date.today().isoformat()}, "
-               f"torch {_torch_version()}, {os.cpu_count()} CPU cores)\n\n{body.strip()}\n<!-- /bench:{key} -->")
+               f"torch {_torch_version()}, {os.cpu_count()} cores of {_cpu_model()})\n\n{body.strip()}\n"
+               f"<!-- /bench:{key} -->")
     text = DOC.read_text() if DOC.exists() else DOC_HEADER
     pattern = re.compile(rf"<!-- bench:{re.escape(key)} -->.*?<!-- /bench:{re.escape(key)} -->", re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(text)
     print(f"\nwrote section `{key}` of {DOC.relative_to(REPO)}")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and torch's capability on it (AVX2, AVX512, AMX...): figures move with both."""
+    import platform
+
+    import torch
+
+    name, flags = platform.processor() or "unknown CPU", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        info = ""
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name == (platform.processor() or "unknown CPU"):
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = value
+    extras = [label for flag, label in (("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX")) if flag in flags.split()]
+    return ", ".join([name, torch.backends.cpu.get_cpu_capability(), *extras])
 
 
 def _torch_version() -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from harness import add_common, engine, freeze_weights, spread, table, write_section
+from harness import add_common, engine, freeze_weights, replayed_steps, spread, table, write_section
 
 
 def main() -> None:
@@ -49,26 +49,13 @@ def main() -> None:
         "cppo-dynamic": (_part("pruner", "topk", topk), _part("allocator", "dynamic", {})),
     }
 
-    def run_arm(name: str, start: tuple[dict, int]) -> dict:
+    def setup(name: str) -> None:
         eng.pruner, eng.allocator = arms[name]
-        eng.questions.load_state_dict(start[0])
-        eng.step_index = start[1]
-        return eng.step()
 
     # The arms' order rotates from repeat to repeat: a step's speed depends on which step ran before it in the
     # process. With a fixed order, cppo-static (always right after grpo) generated 8-12% slower than grpo in three
     # runs, twice on identical tokens, which pruning cannot cause; rotating gives every arm every position alike.
-    runs: dict[str, list[dict]] = {name: [] for name in arms}
-    names = list(arms)
-    for repeat in range(args.repeats + 1):  # repeat 0 is the warm-up, not counted
-        start = (eng.questions.state_dict(), eng.step_index)
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
-            metrics = run_arm(name, start)
-            if repeat:
-                runs[name].append(metrics)
-        eng.questions.load_state_dict(start[0])  # the next repeat draws the questions after these
-        eng.questions.take(args.questions)
-        eng.step_index = start[1] + 1
+    runs = replayed_steps(eng, list(arms), args.repeats, setup)
 
     def col(name: str, key: str) -> list[float]:
         return [m.get(key, 0.0) for m in runs[name]]

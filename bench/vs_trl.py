@@ -5,9 +5,13 @@ checkpointing on): the default model (SmolLM2-135M-Instruct, float32, CPU), the 
 seeded stream draws them, G=8, B=4 questions per optimizer step in micro-batches of 16 completions, at most 48 new
 tokens, T=1, top_p 1, top_k off, beta 0.04 (k3 KL, reference model loaded), loss_type grpo (= gpo's seq_mean),
 mu 1, lr 1e-5, clip 0.2, transformers `generate` for sampling, no gradient checkpointing.
+`--mixed-precision bf16` gives both bf16 autocast over float32 weights (TRL: `bf16=True`; gpo:
+engine.mixed_precision=bf16), and `--rollout-precision` gpo's generator its precision (backend.precision;
+TRL samples with the training model), so `--mixed-precision bf16 --rollout-precision int8` runs each framework
+at its best precision on a CPU with bf16 and int8 instructions.
 Each framework runs in its own process (clean peak RSS), alternated gpo, TRL, gpo, TRL, ...; a run times each
 optimizer step after one warm-up step. Loss equality is checked separately, on fixed batches, by
-tests/test_trl_equivalence.py (TRL's own loss code against gpo's objectives); this script runs that file too.
+tests/unit/test_trl_equivalence.py (TRL's own loss code against gpo's objectives); this script runs that file too.
 
     python bench/vs_trl.py --steps 3 --repeats 2
 """
@@ -21,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from harness import REPO, child, engine, peak_rss_mib, spread, table, write_section
+from harness import REPO, add_common, child, engine, peak_rss_mib, spread, table, write_section
 
 SEED = 42
 
@@ -31,7 +35,9 @@ def run_gpo(args: argparse.Namespace) -> dict:
                  "pruner=none", "allocator=static", f"train.questions_per_step={args.questions}",
                  f"train.group_size={args.group}", f"train.max_completion_length={args.max_new}",
                  f"train.micro_batch_size={args.micro_batch}", "train.mu=1", f"train.steps={args.steps + 1}",
-                 "optim.lr=1e-5", "optim.schedule=constant", "optim.warmup_ratio=0", f"seed={SEED}")
+                 "optim.lr=1e-5", "optim.schedule=constant", "optim.warmup_ratio=0", f"seed={SEED}",
+                 f"engine.mixed_precision={args.mixed_precision}", f"backend.precision={args.rollout_precision}",
+                 *args.set)
     seconds, losses = [], []
     for _ in range(args.steps + 1):
         t0 = time.perf_counter()
@@ -82,7 +88,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         steps_per_generation=accumulation, num_generations=args.group, max_completion_length=args.max_new,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.04, loss_type="grpo", num_iterations=1, epsilon=0.2,
         scale_rewards="group", learning_rate=1e-5, lr_scheduler_type="constant",
-        max_grad_norm=1.0, gradient_checkpointing=False, use_vllm=False, bf16=False,
+        max_grad_norm=1.0, gradient_checkpointing=False, use_vllm=False, bf16=args.mixed_precision == "bf16",
     )
     clock = StepClock()
     trainer = GRPOTrainer(model=load_policy(model_cfg), reward_funcs=arith_reward, args=config, train_dataset=data,
@@ -101,7 +107,10 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="timed steps per run, after one warm-up step")
     p.add_argument("--repeats", type=int, default=2, help="runs per framework, alternated")
-    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="both frameworks' updates")
+    p.add_argument("--rollout-precision", choices=["float32", "bf16", "int8"], default="float32",
+                   help="gpo's generator (TRL generates with the training model)")
+    add_common(p)
     p.add_argument("--child", choices=["gpo", "trl"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -109,7 +118,9 @@ def main() -> None:
         return
 
     passthrough = ["--model", args.model, "--questions", str(args.questions), "--group", str(args.group),
-                   "--max-new", str(args.max_new), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps)]
+                   "--max-new", str(args.max_new), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
+                   "--mixed-precision", args.mixed_precision, "--rollout-precision", args.rollout_precision,
+                   *(["--set", *args.set] if args.set else [])]
     runs: dict[str, list[dict]] = {"gpo": [], "trl": []}
     for _ in range(args.repeats):
         for name in runs:
@@ -125,9 +136,9 @@ def main() -> None:
     body += (f"\n\ngpo / TRL step time: {spread(ratio)} (target <= 0.80); peak RSS gpo / TRL: "
              f"{statistics.median(peak['gpo']) / statistics.median(peak['trl']):.2f} (target <= 1.00).")
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "tests/test_trl_equivalence.py"], capture_output=True, text=True, cwd=REPO)
+                            "tests/unit/test_trl_equivalence.py"], capture_output=True, text=True, cwd=REPO)
     verdict = tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else tests.stderr[-300:]
-    body += f"\n\nLoss check on fixed batches, `pytest tests/test_trl_equivalence.py`: {verdict}"
+    body += f"\n\nLoss check on fixed batches, `pytest tests/unit/test_trl_equivalence.py`: {verdict}"
     print(body)
     note = (f"\n\nSizes: B={args.questions} questions x G={args.group} per optimizer step, micro-batch "
             f"{args.micro_batch} (TRL: per_device_train_batch_size={args.micro_batch}, gradient_accumulation_steps = "
@@ -137,7 +148,9 @@ def main() -> None:
             "Engine.step). Peak RSS is the whole child process (model load included), both loading a policy and a "
             "reference copy. Sampling differs between the frameworks (different RNG use), so completion lengths, "
             "and with them step times, differ a little from step to step.")
-    write_section("vs_trl", "gpo vs TRL GRPOTrainer: step time and peak memory", body + note, args)
+    precision = "" if (args.mixed_precision, args.rollout_precision) == ("no", "float32") else (
+        f"mixed_precision {args.mixed_precision}, rollouts {args.rollout_precision}")
+    write_section("vs_trl", "gpo vs TRL GRPOTrainer: step time and peak memory", body + note, args, precision)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,10 @@ class HFBackend:
         eos, device = self.tokenizer.eos_token_id, ids.device
         generator = torch.Generator().manual_seed(seed)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [b, Lp]: left padding does not shift positions
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        # The last position as an index tensor, not logits_to_keep=1: that slice is a strided view, and a bf16 LM
+        # head over a strided 3-D input expands its weight per prompt (a [b, d, V] copy, about 1 s for SmolLM2).
+        last = torch.tensor([ids.shape[1] - 1], device=device)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=last)
         cache = out.past_key_values
         repeats = torch.full((ids.shape[0],), n) if isinstance(n, int) else torch.tensor(n)  # [b]
         source = torch.arange(ids.shape[0]).repeat_interleave(repeats).to(device)  # [N]: each sample's prompt

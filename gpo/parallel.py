@@ -93,6 +93,12 @@ def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConf
     from accelerate.utils import InitProcessGroupKwargs
 
     defer_deepspeed_import()
+    # Accelerate keeps one precision per process and refuses a second Accelerator that asks for another: clear it
+    # (the process group and rank layout, PartialState, stay) so engines built one after another in one process
+    # (a notebook, the benchmarks' arms) each train in their own engine.mixed_precision.
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
 
     cpu = not torch.cuda.is_available()  # stage, precision and offload are checked when composing (EngineConfig)
     # A peer that hangs fails the others' next collective after this long instead of torch's 30 minutes.

@@ -64,3 +64,16 @@ def test_without_gpo_accelerate_imports_deepspeed_on_save():
     so the test above would see it if gpo.parallel did not defer it."""
     imported, _ = _run(SINGLE_PROCESS_SAVE.format(setup="", prepare=""))
     assert imported
+
+
+def test_engines_built_one_after_another_each_get_their_own_mixed_precision():
+    # Accelerate refuses a second Accelerator with another precision in one process; gpo's engines must not.
+    code = """
+    from gpo.config import EngineConfig, OptimConfig, TrainConfig
+    from gpo.parallel import build_accelerator
+    seen = [build_accelerator(EngineConfig(mixed_precision=p), TrainConfig(), OptimConfig()).mixed_precision
+            for p in ("no", "bf16", "no")]
+    print(seen == ["no", "bf16", "no"])
+    """
+    printed, _ = _run(code)
+    assert printed

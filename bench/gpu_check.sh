@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: a few GRPO and CPPO steps (hf backend) on a Qwen2.5-1.5B-shaped model with random bf16 weights, on a
-# machine with one GPU and no network. Prints the losses (must be finite) and seconds per phase of each step, then
-# runs the phase benchmark (bench/phases.py) and the step-vs-Amdahl benchmark (bench/steps.py) on the same model.
+# machine with one GPU and no network, and CPPO steps with bf16 updates over float32 weights, a bf16 generator and
+# the mismatch correction (and vLLM's fp8 generator where vLLM is installed). Prints the losses (must be finite),
+# seconds per phase and KL(gen, train) of each step, then runs the phase benchmark (bench/phases.py), the
+# step-vs-Amdahl benchmark (bench/steps.py) and the precision steps (bench/precision_steps.py) on the same model.
 # Everything it prints is also written to $OUT/gpu_check.log when $OUT is set (else ./gpu_check.log); the tables
 # go into docs/benchmarks.md by hand, with the date (the benchmarks run with --no-write there).
 #
@@ -40,8 +42,8 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 LOG=${OUT:-.}/gpu_check.log
 exec > >(tee "$LOG") 2>&1
-timeout 240 python - "$WORK" "$WHEELS/tokenizer" <<'PY'
-import math, os, sys, time
+timeout 300 python - "$WORK" "$WHEELS/tokenizer" <<'PY'
+import importlib.util, math, os, sys, time
 from pathlib import Path
 
 import torch
@@ -81,19 +83,33 @@ common = [f"model={work / 'model'}", "model.dtype=bfloat16", "task=arith", "back
           f"output_dir={work / 'runs'}", f"train.steps={steps}", "train.questions_per_step=4",
           "train.group_size=8", f"train.max_completion_length={16 if smoke else 128}",
           f"train.micro_batch_size={8 if smoke else 16}", "optim.lr=1e-6", "eval.before_and_after=false"]
-runs = {"grpo": ["algo=grpo", "pruner=none", "allocator=static"],
-        "cppo": ["algo=grpo", "pruner=topk", "pruner.rate=0.75", "allocator=dynamic"]}
+cppo = ["algo=grpo", "pruner=topk", "pruner.rate=0.75", "allocator=dynamic"]
+# precision: float32 master weights with bf16 updates, a bf16 generator copy refreshed every step, and the
+# mismatch correction; vllm-fp8: vLLM's online fp8 generator (only where vLLM is installed).
+low = ["model.dtype=float32", "engine.mixed_precision=bf16", "correction=tis"]
+runs = {"grpo": ["algo=grpo", "pruner=none", "allocator=static"], "cppo": cppo}
+from gpo.backends.precision import this_machine
+
+if this_machine().bf16:  # every bf16 GPU; in smoke mode, CPUs with native bf16 only
+    runs["precision"] = [*cppo, *low, "backend.precision=bf16"]
+else:
+    print("gpu_check: no native bf16 here; the precision run is skipped", flush=True)
+if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():  # fp8 is vLLM's on CUDA only
+    print("gpu_check: no vLLM or no CUDA device; the vllm-fp8 run is skipped", flush=True)
+else:
+    runs["vllm-fp8"] = [*cppo, *low, "backend=vllm", "backend.precision=fp8"]
 failed = False
 for name, picks in runs.items():
     engine = Engine(compose([*common, *picks, f"run_name={name}"]))
-    print(f"\n{name}: step  loss        kept   generate  logprobs  update   step (s)", flush=True)
+    print(f"\n{name}: step  loss        kept   generate  logprobs  update   step (s)  KL(gen, train)", flush=True)
     for _ in range(steps):
         m = engine.step()
         finite = math.isfinite(m.get("loss/total", float("nan")))
         failed |= not finite
         print(f"{name}: {engine.step_index:>4}  {m.get('loss/total', float('nan')):<10.4g}  "
               f"{m['prune/kept_frac']:.2f}  {m.get('time/generate', 0):8.2f}  {m.get('time/logprobs', 0):8.2f}  "
-              f"{m.get('time/update', 0):6.2f}  {m['time/step']:7.2f}{'' if finite else '  NOT FINITE'}", flush=True)
+              f"{m.get('time/update', 0):6.2f}  {m['time/step']:7.2f}  {m.get('mismatch/kl_gen_train', float('nan')):.2e}"
+              f"{'' if finite else '  NOT FINITE'}", flush=True)
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -106,4 +122,9 @@ SET=(--set "model.dtype=bfloat16" "backend=hf" --no-write)
 if [[ "${GPO_GPU_CHECK_SMOKE:-}" == "1" ]]; then SIZE=(--max-new 8 --repeats 1); else SIZE=(--max-new 128 --repeats 2); fi
 timeout 150 python bench/phases.py --model "$WORK/model" --questions 4 --micro-batch 16 "${SIZE[@]}" "${SET[@]}"
 timeout 180 python bench/steps.py --model "$WORK/model" --questions 4 "${SIZE[@]}" "${SET[@]}"
+# Rollout x update precision on float32 master weights (bf16 updates need them); fp8 is vLLM's, not this script's.
+if [[ "${GPO_GPU_CHECK_SMOKE:-}" == "1" ]]; then NEW=8; else NEW=128; fi
+# (it leaves out by itself what this machine cannot run)
+timeout 120 python bench/precision_steps.py --model "$WORK/model" --rollout float32 bf16 --repeats 1 --no-write \
+    --set "model.dtype=float32" "backend=hf" "train.questions_per_step=4" "train.max_completion_length=$NEW"
 echo "gpu_check: OK"

@@ -49,8 +49,8 @@ def main() -> None:
         "cppo-dynamic": (_part("pruner", "topk", topk), _part("allocator", "dynamic", {})),
     }
 
-    def setup(name: str) -> None:
-        eng.pruner, eng.allocator = arms[name]
+    def setup(name: str) -> None:  # the rollout prunes and allocates (the engine only holds what it was built with)
+        eng.rollout.pruner, eng.rollout.allocator = arms[name]
 
     # The arms' order rotates from repeat to repeat: a step's speed depends on which step ran before it in the
     # process. With a fixed order, cppo-static (always right after grpo) generated 8-12% slower than grpo in three

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: a few GRPO and CPPO steps (hf backend) on a Qwen2.5-1.5B-shaped model with random bf16 weights, on a
 # machine with one GPU and no network, and CPPO steps with bf16 updates over float32 weights, a bf16 generator and
-# the mismatch correction (and vLLM's fp8 generator where vLLM is installed). Prints the losses (must be finite),
+# the mismatch correction (and vLLM's fp8 generator where vLLM and CUDA are present). Prints the losses (must be finite),
 # seconds per phase and KL(gen, train) of each step, then runs the phase benchmark (bench/phases.py), the
 # step-vs-Amdahl benchmark (bench/steps.py) and the precision steps (bench/precision_steps.py) on the same model.
 # Everything it prints is also written to $OUT/gpu_check.log when $OUT is set (else ./gpu_check.log); the tables
@@ -85,7 +85,7 @@ common = [f"model={work / 'model'}", "model.dtype=bfloat16", "task=arith", "back
           f"train.micro_batch_size={8 if smoke else 16}", "optim.lr=1e-6", "eval.before_and_after=false"]
 cppo = ["algo=grpo", "pruner=topk", "pruner.rate=0.75", "allocator=dynamic"]
 # precision: float32 master weights with bf16 updates, a bf16 generator copy refreshed every step, and the
-# mismatch correction; vllm-fp8: vLLM's online fp8 generator (only where vLLM is installed).
+# mismatch correction; vllm-fp8: vLLM's online fp8 generator (only with vLLM and a CUDA device).
 low = ["model.dtype=float32", "engine.mixed_precision=bf16", "correction=tis"]
 runs = {"grpo": ["algo=grpo", "pruner=none", "allocator=static"], "cppo": cppo}
 from gpo.backends.precision import this_machine

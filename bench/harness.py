@@ -139,18 +139,15 @@ def _cpu_model() -> str:
 
     import torch
 
-    name, flags = platform.processor() or "unknown CPU", ""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
+        with open("/proc/cpuinfo") as f:  # the first processor's lines; later ones repeat them
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
-        info = ""
-    for line in info.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and name == (platform.processor() or "unknown CPU"):
-            name = value.strip()
-        elif key.strip() == "flags":
-            flags = value
+        pass
+    name, flags = fields.get("model name") or platform.processor() or "unknown CPU", fields.get("flags", "")
     extras = [label for flag, label in (("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX")) if flag in flags.split()]
     return ", ".join([name, torch.backends.cpu.get_cpu_capability(), *extras])
 

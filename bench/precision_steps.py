@@ -34,8 +34,6 @@ def main() -> None:
     add_common(p)
     args = p.parse_args()
 
-    import torch
-
     from gpo.backends.hf import HFBackend, HFConfig
     from gpo.backends.precision import runnable, this_machine
 
@@ -78,8 +76,7 @@ def main() -> None:
             f"round, then {args.repeats} repeats in an order that rotates; median (min-max), speedups paired "
             "within a repeat. Mismatch: |log pi_train - log pi_gen| over the trained tokens (mean / max) and the k3 "
             "estimate of KL(gen || train), where pi_train is the trainer's log-prob in its update precision. Tokens "
-            "generated differ between rollout precisions: each samples from its own rounding of the policy. CPU "
-            f"capability: {torch.backends.cpu.get_cpu_capability()}.")
+            "generated differ between rollout precisions: each samples from its own rounding of the policy.")
     write_section("precision_steps", "Precision: default step by rollout and update precision", body + note, args)
 
 

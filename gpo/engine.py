@@ -33,7 +33,7 @@ from gpo.run_config import RunConfig, as_dict
 from gpo.sampler import QuestionStream
 from gpo.step_math import corrected, step_totals, within_staleness
 from gpo.tracking import flatten
-from gpo.types import RolloutBatch, StepTotals
+from gpo.types import Backend, RolloutBatch, StepTotals
 
 
 class Engine:
@@ -54,9 +54,9 @@ class Engine:
 
         self.parts = build(cfg, run_dir=self.run_dir, rank=self.rank)
         P = self.parts
-        self.objective, self.selector, self.pruner, self.allocator = P.objective, P.selector, P.pruner, P.allocator
-        self.task, self.tracker, self.tokenizer, self.policy, self.backend = (P.task, P.tracker, P.tokenizer, P.policy,
-                                                                              P.backend)
+        # the selector, pruner, allocator and backend live in the rollout alone (`self.rollout`), so a swap is seen
+        self.objective, self.task, self.tracker, self.tokenizer, self.policy = (P.objective, P.task, P.tracker,
+                                                                                P.tokenizer, P.policy)
         self.correction = P.correction
         E = cfg.engine
         # docs/precision.md: the training passes under mixed_precision, the no-grad passes under logprob_precision
@@ -77,8 +77,8 @@ class Engine:
         self.accelerator.register_for_checkpointing(self.scheduler)
 
         self.questions = QuestionStream(self.task.load("train"), cfg.seed)
-        self.rollout = Rollout(T, cfg.seed, self.task, cfg.task.name, self.tokenizer, self.backend, self.objective,
-                               self.selector, self.pruner, self.allocator, self.questions, self.accelerator,
+        self.rollout = Rollout(T, cfg.seed, self.task, cfg.task.name, self.tokenizer, P.backend, self.objective,
+                               P.selector, P.pruner, P.allocator, self.questions, self.accelerator,
                                self.policy, self.rank, self.world_size)
         self.rollouts: RolloutSource = Lockstep(self.rollout)
         if T.max_staleness:
@@ -87,6 +87,11 @@ class Engine:
             self.rollouts = AsyncRollouts(cfg, self.rollout, self.policy)
         self.step_index = 0
         self.best_score: float | None = None
+
+    @property
+    def backend(self) -> Backend:
+        """The generator, for evaluation as for rollouts: the rollout's, one object."""
+        return self.rollout.backend
 
     # ---------------------------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:

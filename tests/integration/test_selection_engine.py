@@ -73,13 +73,13 @@ def test_dynamic_allocator_draws_for_the_screen_pass_rate_it_has_seen(tiny_model
                "pruner.rate=0.5", "allocator=dynamic", "allocator.max_rounds=4")
     first = e.step()
     # Step 1 has no estimate: ceil(8 slots / 2 kept) = 4 candidates, then refills while slots stay empty.
-    assert e.selector.screened > 0
-    fraction = e.selector.expected_pass_rate()
+    assert e.rollout.selector.screened > 0
+    fraction = e.rollout.selector.expected_pass_rate()
     second = e.step()
     drawn_first_round = math.ceil(8 / (2 * fraction))
     assert second["select/considered"] >= drawn_first_round
     assert second["alloc/rounds"] <= 4 and first["alloc/rounds"] <= 4
-    assert e.allocator.step.questions == second["select/considered"]
+    assert e.rollout.allocator.step.questions == second["select/considered"]
 
 
 def test_selector_none_is_plain_grpo_generation(tiny_model_path, tmp_path):
@@ -103,8 +103,8 @@ def test_every_selector_composes_with_algos_pruners_allocators(selector, algo, p
         assert m["select/completions"] <= m["select/completions_baseline"]
         assert ("train/rows" in m) != (m.get("train/skipped") == 1.0)  # it trained, or said it had nothing to
         assert all(isinstance(v, float) and not math.isinf(v) for k, v in m.items() if k.startswith("select/"))
-    state = e.selector.state_dict()
-    assert state == e.selector.state_dict() and torch.isfinite(torch.tensor(m["select/completions_frac"]))
+    state = e.rollout.selector.state_dict()
+    assert state == e.rollout.selector.state_dict() and torch.isfinite(torch.tensor(m["select/completions_frac"]))
 
 
 def test_dapo_dynamic_sampling_finds_zero_variance_groups_after_n_screen_rollouts(tiny_model_path, tmp_path):

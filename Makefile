@@ -6,6 +6,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.gpo-installed
 VLLM   ?= 1
 VLLM_STAMP := $(VENV)/.gpo-vllm-installed
+# pytest-xdist workers: most of the suite's time is processes starting (Python, torch, transformers import on one
+# core each), which two workers overlap on two cores. WORKERS=0 runs in this one process (for pdb).
+WORKERS ?= 2
+XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist worksteal)
 # Modules are byte-compiled when first imported, not all at install: most of them are never imported.
 PIP := $(BIN)/python -m pip install --quiet --no-compile
 
@@ -19,12 +23,12 @@ run: $(STAMP)
 # unpacking), which would otherwise wait for each other.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 check $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The fast tier while editing: pure functions, components and config (a few minutes on two cores), without the
 # static checks, vLLM or any engine run on a model; `make test` before pushing.
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
 
 # Static checks, before the tests: ruff (lint and import order) and mypy (tools/typecheck.py: mypy over gpo as it
 # installs and over bench/, cached in .mypy_cache; a few seconds once warm, a few minutes on a fresh checkout).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib.util
+import os
 import shutil
 import sys
 import tempfile
@@ -31,6 +32,15 @@ for _folder in ("integration", "unit", ""):
 
 settings.register_profile("gpo", derandomize=True, print_blob=True)
 settings.load_profile("gpo")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`make test` runs two pytest-xdist workers on two cores: each computes on one thread, as two workers of
+    two threads each would contend for the cores. The processes a test starts keep torch's default."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,9 +13,11 @@ import os
 import socket
 import subprocess
 import sys
+from typing import NoReturn
 
 import torch
 
+from gpo.distributed import PeerLost
 from gpo.errors import UserError
 from gpo.run_config import EngineConfig, RunConfig
 
@@ -58,22 +60,30 @@ def run(cfg: RunConfig, gpo_args: list[str]) -> int:
         return relaunch(cfg.engine, gpo_args)
     from gpo.engine import train
 
-    train(cfg)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _end_finished_rank()
-    return 0
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        train(cfg)
+        return 0
+    try:
+        train(cfg)
+    except PeerLost as exc:
+        # Freeing the DDP module joins gloo's threads, which still wait on the lost peer: without this exit the
+        # rank would hang, and the launcher, waiting for it, would never stop the rank that hung.
+        print(f"gpo: error: {exc}", file=sys.stderr)
+        _end_rank(2)
+    _end_rank(0)
 
 
-def _end_finished_rank() -> None:
-    """End a rank whose run finished (saved, tracker ended, process group destroyed) without the interpreter's
-    teardown: native threads of DeepSpeed's ZeRO-3 offload can abort it ("terminate called without an active
-    exception"), and the launcher would then report a finished run as failed."""
+def _end_rank(status: int) -> NoReturn:
+    """End a rank without the interpreter's teardown. A finished rank (saved, tracker ended, process group
+    destroyed): native threads of DeepSpeed's ZeRO-3 offload can abort it ("terminate called without an active
+    exception"), and the launcher would then report a finished run as failed. A rank that lost its peer: see
+    `run`."""
     import logging
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def relaunch(engine: EngineConfig, gpo_args: list[str]) -> int:

@@ -7,6 +7,7 @@ need: `from kit import fresh_registry, make_plugin, run_gpo_all`.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +19,26 @@ from gpo import registry
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGINS = REPO / "tests" / "plugins"  # the toy tasks and probes that engine runs load with `plugins=[...]`
+
+
+def kill_run(proc: subprocess.Popen) -> str:
+    """SIGKILL a `gpo run` started in its own session, with every rank it launched, and return its output. The
+    launcher starts each rank in a session of its own, so killing the launcher's group alone would leave the ranks
+    holding the output pipe open (a later read would never end): they are found before the launcher dies."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    os.killpg(proc.pid, signal.SIGKILL)
+    for rank in ranks:
+        try:
+            rank.kill()
+        except psutil.NoSuchProcess:
+            pass
+    out, _ = proc.communicate()
+    return out
 
 
 def free_port() -> int:

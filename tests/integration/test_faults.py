@@ -20,6 +20,7 @@ from gpo import checkpoint
 from gpo.config import compose
 from gpo.errors import UserError
 from gpo.tasks.math import Math, MathConfig
+from kit import kill_run
 from test_multiprocess import COMMON, PLUGINS, finish, start
 
 sys.path.insert(0, str(PLUGINS))  # gpo_toy for the runs in this process
@@ -37,8 +38,7 @@ def ended_within(proc, seconds: float) -> tuple[int, str, float]:
     try:
         out, _ = proc.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        out = kill_run(proc)
         pytest.fail(f"the run did not end within {seconds} s; its output:\n{out[-6000:]}")
     return proc.returncode, out, time.monotonic() - started
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from safetensors.torch import load_file
 from gpo import launch
 from gpo.config import EngineConfig
 from gpo.errors import UserError
+from kit import kill_run
 
 PLUGINS = Path(__file__).parents[1] / "plugins"
 # 4 questions x G=4, top-2 per group: 8 kept rows, 4 per rank; 2 rows per micro-batch, so each rank accumulates
@@ -36,7 +36,7 @@ def start(args: list[str], probe: Path, env: dict[str, str] | None = None,
            "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
     env.pop("WORLD_SIZE", None)
     cmd = [*(launcher or [sys.executable]), "-m", "gpo", "run", *args]
-    # Its own session, so a test that gives up on it can stop the launcher and every rank together (killpg).
+    # Its own session, so a test that gives up on it can stop the launcher and every rank (kit.kill_run).
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -45,8 +45,7 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # stop the launcher and every rank, and show how far the run got
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        out = kill_run(proc)
         pytest.fail(f"the run did not end within {timeout} s; its output:\n{out[-6000:]}")
     assert proc.returncode == 0, out[-6000:]
     return out

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,7 +104,19 @@ def resolve_path(path: str, tokenizer: bool = False) -> str:
     return path  # a Hub name: `_loading` explains a failure to fetch it
 
 
+def _lean_transformers() -> None:
+    """Call before importing transformers' models: it imports scikit-learn (about 4 s of every process start, as
+    mlflow installs it) only for assisted decoding's confidence threshold, which gpo never runs. Only transformers'
+    own check is answered; a user's reward can still import scikit-learn."""
+    if "transformers.generation.candidate_generator" in sys.modules:
+        return  # already imported (by the user's code): nothing left to save
+    from transformers import utils
+
+    utils.is_sklearn_available = lambda: False
+
+
 def load_tokenizer(cfg: ModelConfig) -> Any:
+    _lean_transformers()
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer or cfg.path
@@ -125,6 +138,8 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
 def load_policy(cfg: ModelConfig, trainable: bool = True) -> Any:
     """The causal LM; with `lora_rank > 0` and `trainable`, wrapped in a peft LoRA adapter."""
     import torch
+
+    _lean_transformers()
     from transformers import AutoModelForCausalLM
 
     source = resolve_path(cfg.path)
@@ -239,6 +254,7 @@ def _check_architecture(directory: Path) -> None:
     model_type = config.get("model_type")
     if model_type is None or "auto_map" in config:
         return  # transformers guesses from the name, or the model ships its code (trust_remote_code)
+    _lean_transformers()
     import transformers
     from transformers import CONFIG_MAPPING
 
@@ -320,6 +336,7 @@ def _cached_gguf(gguf: Path, packaged: PackagedModel | None = None) -> Path:
     target = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
         return target
+    _lean_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")

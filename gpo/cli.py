@@ -12,7 +12,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from gpo.errors import UserError
+from gpo.errors import UserError, print_user_error
 
 EXAMPLES = """\
 examples:
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except UserError as exc:
-        print(f"gpo: error: {exc}", file=sys.stderr)
+        print_user_error(exc)
         return 2
     except BrokenPipeError:
         # The reader went away (`gpo list | head`): not a failure of gpo. Point stdout at /dev/null so the

@@ -7,11 +7,17 @@ The CLI turns a `UserError` into a one-paragraph message and exit code 2; anythi
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Iterable
 
 
 class UserError(Exception):
     """A bad config, argument or input file: the message says what is wrong and how to fix it."""
+
+
+def print_user_error(exc: UserError) -> None:
+    """The one line a UserError prints, without a traceback (its process then exits with status 2)."""
+    print(f"gpo: error: {exc}", file=sys.stderr, flush=True)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

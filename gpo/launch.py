@@ -18,7 +18,7 @@ from typing import NoReturn
 import torch
 
 from gpo.distributed import PeerLost
-from gpo.errors import UserError
+from gpo.errors import UserError, print_user_error
 from gpo.run_config import EngineConfig, RunConfig
 
 
@@ -68,7 +68,7 @@ def run(cfg: RunConfig, gpo_args: list[str]) -> int:
     except PeerLost as exc:
         # Freeing the DDP module joins gloo's threads, which still wait on the lost peer: without this exit the
         # rank would hang, and the launcher, waiting for it, would never stop the rank that hung.
-        print(f"gpo: error: {exc}", file=sys.stderr)
+        print_user_error(exc)
         _end_rank(2)
     _end_rank(0)
 

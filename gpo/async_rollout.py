@@ -4,9 +4,11 @@ The generator process holds a private copy of the policy and its own rollout par
 allocator, backend) and produces whole steps, as `Lockstep` does in the engine's process: step j's rounds,
 rewards, advantages and pruning, generated with the trainer's weights after max(0, j - k) steps (version
 max(0, j - k)). The trainer takes step j from a queue, updates, and publishes its weights into a shared-memory
-copy; the generator loads them between steps, never inside one. A row is therefore trained at most k versions
-after the weights that sampled it, and which weights sample which step depends on the step alone, not on timing:
-an async run is reproducible, and a resumed one continues it exactly.
+copy; the generator loads them between steps. A row is therefore trained at most k versions after the weights
+that sampled it, and which weights sample which step depends on the step alone, not on timing: an async run is
+reproducible, and a resumed one continues it exactly. With train.weight_updates=inflight the generator also takes
+the newest published weights before each generation call inside a step (each row records the version that
+sampled it): fresher rows, at the price of that reproducibility.
 
 Checkpoints: after step s the generator's steps s .. s+k-1 were sampled by weights a checkpoint no longer holds,
 so they are kept in it (`rollout_queue.pt`) with the rollout state after the last of them; on resume the
@@ -27,6 +29,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -212,9 +215,36 @@ class _Delivered:
     value: Produced
 
 
+class GeneratorWeights:
+    """The generator's private copy of the policy and the version it holds, refreshed from the trainer's shared
+    copy (whose version is `published`); `taken` tells the trainer when the shared copy may be rewritten."""
+
+    def __init__(self, shared: torch.nn.Module, published: Any, taken: Any, model: torch.nn.Module) -> None:
+        self.shared, self.published, self.taken, self.model = shared, published, taken, model
+        self.version = int(published.value)
+        self.taken.value = self.version
+        self.inflight = 0  # versions taken inside the current step (train.weight_updates=inflight)
+
+    def take_newer(self, backend: Any) -> bool:
+        """Copy the published weights if they are newer than the ones held; `backend` follows them."""
+        newest = int(self.published.value)
+        if newest <= self.version:
+            return False
+        _copy_weights(self.shared, self.model)
+        self.version = newest
+        self.taken.value = newest
+        backend.sync_weights(self.model)  # a lower-precision copy or a vLLM engine follows
+        return True
+
+    def before_call(self, backend: Any) -> int:
+        """In-flight: the newest published weights before a generation call; the version that call samples with."""
+        self.inflight += self.take_newer(backend)
+        return self.version
+
+
 def generate_ahead(spec: _Spec) -> None:
     """The generator process: produce steps from `spec.start_step` to train.steps - 1, each with the weights its
-    schedule names (or newer ones after a restart), and send them to the trainer."""
+    schedule names (or newer ones after a restart, or in flight), and send them to the trainer."""
     _end_with_parent()
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a pre-emption reaches the whole group: the trainer
         signal.signal(sig, signal.SIG_IGN)       # saves (which may wait for this process), then stops it
@@ -224,29 +254,27 @@ def generate_ahead(spec: _Spec) -> None:
         registry.load_builtins()
         registry.load_plugins(cfg.plugins)
         model = copy.deepcopy(spec.shared)  # private: the trainer rewrites the shared copy while this one samples
-        version = int(spec.published.value)
-        spec.taken.value = version
+        weights = GeneratorWeights(spec.shared, spec.published, spec.taken, model)
         parts = build(cfg, trainable=False, policy=model)
         rollout = _rollout(cfg, parts)
         rollout.load_state_dict(spec.state)
+        inflight = cfg.train.weight_updates == "inflight"
         for step in range(spec.start_step, cfg.train.steps):
             waited = time.perf_counter()
-            while version < sampling_version(step, cfg.train.max_staleness):
-                if int(spec.published.value) > version:
-                    _copy_weights(spec.shared, model)
-                    version = int(spec.published.value)
-                    spec.taken.value = version
-                    rollout.backend.sync_weights(model)  # a lower-precision copy follows (backend.precision)
-                elif spec.stop.is_set() or os.getppid() != spec.parent_pid:
+            while weights.version < sampling_version(step, cfg.train.max_staleness):
+                if weights.take_newer(parts.backend):
+                    continue
+                if spec.stop.is_set() or os.getppid() != spec.parent_pid:
                     return
-                else:
-                    time.sleep(POLL_S)
+                time.sleep(POLL_S)
             idle = time.perf_counter() - waited
-            timer = PhaseTimer()
-            produced = rollout.produce(step, version, timer)
+            timer, weights.inflight = PhaseTimer(), 0
+            produced = rollout.produce(step, weights.version, timer,
+                                       refresh=partial(weights.before_call, parts.backend) if inflight else None)
             produced.state = rollout.state_dict()  # a resume from a checkpoint that queues this step continues here
             produced.metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
             produced.metrics["time/generator_idle"] = idle
+            produced.metrics["async/inflight_updates"] = float(weights.inflight)
             buffer = io.BytesIO()
             torch.save(_Delivered(step, produced), buffer)
             spec.out.put(("step", buffer.getvalue()))

@@ -262,6 +262,10 @@ def _check_together(cfg: RunConfig) -> None:
 def _check_async(cfg: RunConfig) -> None:
     """What a generator process running ahead (train.max_staleness >= 1, gpo/async_rollout.py) supports so far."""
     k = cfg.train.max_staleness
+    if cfg.train.weight_updates == "inflight" and not k:
+        raise UserError("train.weight_updates=inflight hands newer weights to a generator running ahead, and "
+                        "train.max_staleness=0 runs none (every step already generates with the newest weights): "
+                        "set train.max_staleness >= 1, or drop train.weight_updates.")
     if not k:
         return
     why = None

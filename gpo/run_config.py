@@ -59,6 +59,10 @@ class TrainConfig:
     # left. k >= 1: a generator process runs up to k steps ahead, and step j's rows are sampled by the weights after
     # max(0, j - k) steps (every row is trained at most k policy versions after the one that sampled it).
     max_staleness: NonNegativeInt = 0
+    # k >= 1: when the generator takes the trainer's newer weights. `step`: only between steps, on the schedule
+    # above (an async run is reproducible). `inflight`: also before every generation call inside a step, the newest
+    # published (fresher rows; which version samples which row then depends on timing). Each row records its own.
+    weight_updates: Literal["step", "inflight"] = "step"
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,16 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
 
-from gpo.async_rollout import sampling_version
+from gpo.async_rollout import GeneratorWeights, sampling_version
 from gpo.config import compose
 from gpo.engine import Engine
 from gpo.logprobs import TokenLogprobs, batch_logprobs
+from gpo.metrics import PhaseTimer
 from test_faults import ended_within, final_params
 from test_multiprocess import PLUGINS, finish, start
 
@@ -100,6 +102,77 @@ def test_the_generators_logprobs_are_the_behaviour_policy_the_correction_weighs_
     expected = torch.exp(pi1 - pi0).clamp(max=2.0)
     got = torch.cat([w for w in weights])[: len(rows)]
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-4, rtol=1e-4)
+
+
+# The allocator expects every row kept, top-k keeps half: round 1 fills half the slots and a second generation
+# call refills the rest, so each step has two calls for in-flight weights to come between.
+TWO_ROUNDS = ("pruner=topk", "pruner.rate=0.5", "allocator=dynamic", "allocator.rate=0")
+
+
+def test_inflight_a_call_inside_a_step_samples_with_weights_published_during_the_step(tiny_model_path, tmp_path):
+    """train.weight_updates=inflight, driven in this process: the trainer publishes version 1 while step 0 is still
+    generating (after its first generation call), and the next call takes it. The first call's rows carry
+    version 0's log-probs, the later calls' rows version 1's, each row labelled with its own version."""
+    eng = engine(tiny_model_path, tmp_path, *TWO_ROUNDS)
+    version0, version1 = copy.deepcopy(eng.policy), copy.deepcopy(eng.policy)
+    with torch.no_grad():
+        for p in version1.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    ctx = torch.multiprocessing.get_context("spawn")
+    shared = copy.deepcopy(version0).requires_grad_(False)
+    published, taken = ctx.Value("q", 0, lock=False), ctx.Value("q", -1, lock=False)
+    weights = GeneratorWeights(shared, published, taken, eng.policy)  # the rollout's backend samples eng.policy
+    calls, plain = [], eng.rollout.generate
+
+    def generate(*args, **kwargs):
+        calls.append(plain(*args, **kwargs))
+        if len(calls) == 1:  # the trainer publishes version 1 (the generator had taken version 0)
+            assert taken.value == 0
+            shared.load_state_dict(version1.state_dict())
+            published.value = 1
+        return calls[-1]
+
+    eng.rollout.generate = generate
+    produced = eng.rollout.produce(0, weights.version, PhaseTimer(),
+                                   refresh=partial(weights.before_call, eng.rollout.backend))
+    eng.close()
+
+    assert len(calls) >= 2 and weights.inflight == 1 and weights.version == taken.value == 1
+    for i, batch in enumerate(calls):
+        version, policy = (0, version0) if i == 0 else (1, version1)
+        assert batch.versions.tolist() == [version] * len(batch)
+        mask = batch.completion_mask.bool()
+        pi = batch_logprobs(TokenLogprobs(policy), batch, 8, 1.0)  # [N, L]
+        torch.testing.assert_close(batch.sampler_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
+    kept = produced.rows.versions.tolist()
+    assert set(kept) <= {0, 1} and len(kept) == len(produced.rows)
+
+
+def test_an_inflight_run_keeps_the_bound_and_each_row_carries_the_log_probs_of_its_version(tiny_model_path,
+                                                                                           tmp_path):
+    """A real generator process with train.weight_updates=inflight: whichever version sampled a row (timing
+    decides), the row says so truthfully (its generator log-probs are that version's) and it is trained within
+    the bound."""
+    k, steps = 2, 4
+    eng = engine(tiny_model_path, tmp_path, f"train.max_staleness={k}", f"train.steps={steps}",
+                 "train.weight_updates=inflight", *TWO_ROUNDS)
+    seen = recorded(eng)
+    versions = [copy.deepcopy(eng.policy)]
+    metrics = []
+    for _ in range(steps):
+        metrics.append(eng.step())
+        versions.append(copy.deepcopy(eng.policy))
+    eng.close()
+
+    for step, (rows, m) in enumerate(zip(seen, metrics, strict=True)):
+        assert len(rows) == 8 and m["async/dropped_rows"] == 0 and m["train/rows"] == len(rows)
+        assert m["async/staleness_max"] <= k and "async/inflight_updates" in m
+        for v in set(rows.versions.tolist()):
+            assert sampling_version(step, k) <= v <= step, (step, v)
+            mine = rows.select(rows.versions == v)
+            mask = mine.completion_mask.bool()
+            pi = batch_logprobs(TokenLogprobs(versions[v]), mine, 8, 1.0)
+            torch.testing.assert_close(mine.sampler_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
 
 
 @pytest.mark.slow

@@ -84,6 +84,8 @@ def test_a_bad_correction_is_refused(capsys, args, says):
     (["backend=vllm", "backend.report_logprobs=false"], "set backend.report_logprobs=true"),
     (["backend.decode=generate"], "needs the generator's log-probs of its tokens"),
     (["train.max_staleness=-1"], "`train.max_staleness` must be >= 0"),
+    (["train.max_staleness=0", "train.weight_updates=inflight"], "set train.max_staleness >= 1"),
+    (["train.weight_updates=always"], "`train.weight_updates`"),
 ])
 def test_what_async_rollouts_do_not_support_is_refused(capsys, args, says):
     max_staleness = [] if any(a.startswith("train.max_staleness") for a in args) else ["train.max_staleness=1"]

@@ -29,13 +29,16 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gpo import registry
 from gpo.build import Components, build
+from gpo.distributed import free_port, from_rank_zero, peer_failures_explained
 from gpo.errors import UserError
 from gpo.metrics import PhaseTimer
 from gpo.rollout import Produced, Rollout
@@ -65,6 +68,9 @@ class _Spec:
     state: dict[str, Any]  # the rollout state to start from (Rollout.state_dict)
     threads: int
     parent_pid: int
+    rank: int  # the trainer's rank; with several, the generators form a process group of their own
+    world_size: int
+    rendezvous: str  # "host:port" of that group's store ("" on one rank)
 
 
 class AsyncRollouts:
@@ -72,6 +78,7 @@ class AsyncRollouts:
 
     def __init__(self, cfg: RunConfig, rollout: Rollout, policy: torch.nn.Module) -> None:
         self.cfg, self.rollout, self.policy = cfg, rollout, policy
+        self.rank, self.world_size = rollout.rank, rollout.world_size
         self.k, self.steps = cfg.train.max_staleness, cfg.train.steps
         self.state = rollout.state_dict()  # the state after the newest step delivered (or the start)
         self.frontier = -1  # that step (-1: none yet; the generator starts at frontier + 1)
@@ -155,13 +162,17 @@ class AsyncRollouts:
         self.taken = self._ctx.Value("q", -1, lock=False)
         self.stop = self._ctx.Event()
         self.out = self._ctx.Queue()
+        self.rendezvous = ""
+        if self.world_size > 1:  # each rank's generator samples its share; they gather each step's rows together
+            host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            self.rendezvous = f"{host}:{from_rank_zero(free_port())}"
         self._spawn()
 
     def _spawn(self) -> None:
         self.stop.clear()
         self.taken.value = -1  # the trainer writes no weights until the new generator has copied them
         spec = _Spec(self.cfg, self.shared, self.published, self.taken, self.stop, self.out, self.frontier + 1,
-                     self.state, self.threads, os.getpid())
+                     self.state, self.threads, os.getpid(), self.rank, self.world_size, self.rendezvous)
         self.process = self._ctx.Process(target=generate_ahead, args=(spec,), daemon=True, name="gpo-generator")
         self.process.start()
         self.spawned_at = self.frontier
@@ -195,6 +206,11 @@ class AsyncRollouts:
             self._receive(block=False)
             if self.frontier >= self.steps - 1:
                 return
+        if self.world_size > 1:
+            raise UserError(f"the generator process of rank {self.rank} ended (exit code {code}) having delivered "
+                            f"{self.frontier + 1} steps. With several ranks the generators gather each step's rows "
+                            f"among themselves, so one cannot be restarted alone: rerun the same command with "
+                            f"resume=auto to continue from the newest checkpoint.")
         if self.frontier == self.spawned_at:  # died again before delivering a step
             self.failures_in_a_row += 1
             if self.failures_in_a_row >= MAX_RESTARTS_WITHOUT_PROGRESS:
@@ -255,31 +271,16 @@ def generate_ahead(spec: _Spec) -> None:
         registry.load_plugins(cfg.plugins)
         model = copy.deepcopy(spec.shared)  # private: the trainer rewrites the shared copy while this one samples
         weights = GeneratorWeights(spec.shared, spec.published, spec.taken, model)
+        if spec.world_size > 1:  # a store of its own: under torch's launcher tcp:// would join the trainers' store
+            host, port = spec.rendezvous.rsplit(":", 1)
+            timeout = timedelta(seconds=cfg.engine.collective_timeout_s)
+            store = dist.TCPStore(host, int(port), spec.world_size, is_master=spec.rank == 0, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
         parts = build(cfg, trainable=False, policy=model)
-        rollout = _rollout(cfg, parts)
+        rollout = _rollout(cfg, parts, spec.rank, spec.world_size)
         rollout.load_state_dict(spec.state)
-        inflight = cfg.train.weight_updates == "inflight"
-        for step in range(spec.start_step, cfg.train.steps):
-            waited = time.perf_counter()
-            while weights.version < sampling_version(step, cfg.train.max_staleness):
-                if weights.take_newer(parts.backend):
-                    continue
-                if spec.stop.is_set() or os.getppid() != spec.parent_pid:
-                    return
-                time.sleep(POLL_S)
-            idle = time.perf_counter() - waited
-            timer, weights.inflight = PhaseTimer(), 0
-            produced = rollout.produce(step, weights.version, timer,
-                                       refresh=partial(weights.before_call, parts.backend) if inflight else None)
-            produced.state = rollout.state_dict()  # a resume from a checkpoint that queues this step continues here
-            produced.metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
-            produced.metrics["time/generator_idle"] = idle
-            produced.metrics["async/inflight_updates"] = float(weights.inflight)
-            buffer = io.BytesIO()
-            torch.save(_Delivered(step, produced), buffer)
-            spec.out.put(("step", buffer.getvalue()))
-            if spec.stop.is_set():
-                return
+        with peer_failures_explained(lambda: "Rerun the same command with resume=auto to continue."):
+            _generate_steps(spec, weights, rollout, parts.backend)
     except UserError as exc:
         spec.out.put(("user_error", str(exc)))
     except BaseException:
@@ -289,11 +290,40 @@ def generate_ahead(spec: _Spec) -> None:
             parts.close()
 
 
-def _rollout(cfg: RunConfig, parts: Components) -> Rollout:
-    """The generator's rollout over its own parts (gpo.build around its private model)."""
+def _generate_steps(spec: _Spec, weights: GeneratorWeights, rollout: Rollout, backend: Any) -> None:
+    """Each step from `spec.start_step` on, once the weights its schedule names have arrived, sent to the trainer."""
+    cfg = spec.cfg
+    refresh = partial(weights.before_call, backend) if cfg.train.weight_updates == "inflight" else None
+    for step in range(spec.start_step, cfg.train.steps):
+        waited = time.perf_counter()
+        while weights.version < sampling_version(step, cfg.train.max_staleness):
+            if weights.take_newer(backend):
+                continue
+            if spec.stop.is_set() or os.getppid() != spec.parent_pid:
+                return
+            time.sleep(POLL_S)
+        idle = time.perf_counter() - waited
+        timer, weights.inflight = PhaseTimer(), 0
+        produced = rollout.produce(step, weights.version, timer, refresh=refresh)
+        produced.state = rollout.state_dict()  # a resume from a checkpoint that queues this step continues here
+        produced.metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
+        produced.metrics["time/generator_idle"] = idle
+        produced.metrics["async/inflight_updates"] = float(weights.inflight)
+        buffer = io.BytesIO()
+        torch.save(_Delivered(step, produced), buffer)
+        spec.out.put(("step", buffer.getvalue()))
+        if spec.stop.is_set():
+            return
+
+
+def _rollout(cfg: RunConfig, parts: Components, rank: int, world_size: int) -> Rollout:
+    """The generator's rollout over its own parts (gpo.build around its private model), sampling this rank's share
+    of each generation call."""
     questions = QuestionStream(parts.task.load("train"), cfg.seed)
     return Rollout(cfg.train, cfg.seed, parts.task, cfg.task.name, parts.tokenizer, parts.backend, parts.objective,
-                   parts.selector, parts.pruner, parts.allocator, questions, accelerator=None, policy=parts.policy)
+                   parts.selector, parts.pruner, parts.allocator, questions, accelerator=None, policy=parts.policy,
+                   rank=rank, world_size=world_size)
+
 
 
 def _copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:

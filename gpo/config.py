@@ -269,8 +269,11 @@ def _check_async(cfg: RunConfig) -> None:
     if not k:
         return
     why = None
-    if cfg.engine.num_processes > 1 or cfg.engine.deepspeed_stage:
-        why = "runs on one process without DeepSpeed (engine.num_processes=1, engine.deepspeed_stage=0)"
+    if cfg.engine.deepspeed_stage:
+        why = "trains under plain DDP or on one process, not under DeepSpeed (engine.deepspeed_stage=0)"
+    elif cfg.engine.num_processes > 1 and cfg.backend.name == "vllm":
+        why = ("with several ranks generates with gpo's decoder (backend=hf); a vLLM engine per rank's generator is "
+               "not built yet")
     elif cfg.backend.name not in ("hf", "vllm"):
         why = f"generates with backend=hf or backend=vllm; backend={cfg.backend.name} is lockstep only"
     elif getattr(cfg.backend.config, "decode", "gpo") != "gpo":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -66,6 +67,13 @@ def _first_sentence(message: str) -> str:
     """A backend message without its source location prefix (`[.../pair.cc:537] `) and its boilerplate advice."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", message.strip().splitlines()[0] if message.strip() else "")
     return text.split(". ")[0].rstrip(".")
+
+
+def free_port() -> int:
+    """A port nobody listens on now, so two multi-process runs on one machine do not collide on the default."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def world() -> tuple[int, int]:

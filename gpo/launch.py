@@ -10,14 +10,13 @@ device.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from typing import NoReturn
 
 import torch
 
-from gpo.distributed import PeerLost
+from gpo.distributed import PeerLost, free_port
 from gpo.errors import UserError, print_user_error
 from gpo.run_config import EngineConfig, RunConfig
 
@@ -41,7 +40,7 @@ def command(engine: EngineConfig, gpo_args: list[str]) -> tuple[list[str], dict[
                         f"{torch.cuda.device_count()} GPU(s) are visible.")
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
               "--mixed_precision", engine.mixed_precision, "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port())]
+              "--main_process_port", str(free_port())]
     if engine.deepspeed_stage:
         launch += ["--use_deepspeed", "--zero_stage", str(engine.deepspeed_stage)]
         if cpu:
@@ -102,9 +101,3 @@ def relaunch(engine: EngineConfig, gpo_args: list[str]) -> int:
               f"the same run_name.", file=sys.stderr, flush=True)
     return status
 
-
-def _free_port() -> int:
-    """A port nobody listens on now, so two multi-process runs on one machine do not collide on the default."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

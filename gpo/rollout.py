@@ -118,9 +118,8 @@ class Rollout:
             for k, v in scored.metrics.items():  # counts such as verify_timeouts, summed over ranks and rounds
                 key = f"reward/{k}"
                 task_metrics[key] = task_metrics.get(key, 0.0) + float(all_reduce_sum(float(v)))
-        batch = all_gather_batch(local, self.tokenizer.pad_token_id)
-        batch.versions = torch.full((len(batch),), version, dtype=torch.long)  # [N]
-        return batch
+        local.versions = torch.full((len(local),), version, dtype=torch.long)  # [N_rank]: ranks' may differ (inflight)
+        return all_gather_batch(local, self.tokenizer.pad_token_id)
 
 
 @dataclass

@@ -13,9 +13,11 @@ import subprocess
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from gpo.async_rollout import GeneratorWeights, sampling_version
 from gpo.config import compose
@@ -23,7 +25,8 @@ from gpo.engine import Engine
 from gpo.logprobs import TokenLogprobs, batch_logprobs
 from gpo.metrics import PhaseTimer
 from test_faults import ended_within, final_params
-from test_multiprocess import PLUGINS, finish, start
+from test_multiprocess import COMMON as MULTI_RANK_COMMON
+from test_multiprocess import PLUGINS, finish, records, start
 
 sys.path.insert(0, str(PLUGINS))  # gpo_toy for the runs in this process
 
@@ -173,6 +176,41 @@ def test_an_inflight_run_keeps_the_bound_and_each_row_carries_the_log_probs_of_i
             mask = mine.completion_mask.bool()
             pi = batch_logprobs(TokenLogprobs(versions[v]), mine, 8, 1.0)
             torch.testing.assert_close(mine.sampler_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_their_generators_killed_and_resumed_train_what_one_process_trains(tiny_model_path,
+                                                                                          tmp_path):
+    """engine.num_processes=2 with k = 1: each rank's generator process samples its share of every generation call
+    and the generators gather the step's rows among themselves, as lockstep ranks do. Rank 1 SIGKILLed in step 3
+    leaves a checkpoint after step 2 whose queue holds step 2 (sampled by version 1); resumed on two ranks, the run
+    ends with the weights of one uninterrupted process with one generator."""
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=none", *MULTI_RANK_COMMON,
+            "plugins=[gpo_toy,gpo_probe,gpo_faults]", "train.steps=4", "train.max_staleness=1", "checkpoint.every=1"]
+    two = [*base, "run_name=two", "engine=ddp", "engine.num_processes=2"]
+    one = start([*base, "run_name=one"], tmp_path / "one.jsonl")
+    killed = start(two, tmp_path / "killed.jsonl", env={"GPO_FAULT_KILL": "1:3"})
+    finish(one)
+    status, out, _ = ended_within(killed, 300)
+    assert status != 0 and "gpo_faults: rank 1 kills itself in step 3" in out, out[-4000:]
+    held = torch.load(tmp_path / "two/checkpoints/step-0000002/rollout_queue.pt", weights_only=False)
+    assert [p.rows.versions.unique().tolist() for p in held] == [[1]]
+    out = finish(start([*two, "resume=auto"], tmp_path / "resumed.jsonl"))
+    assert "launching 2 processes" in out and "at step 2" in out, out[-4000:]
+
+    p1, p2 = final_params(tmp_path / "one"), final_params(tmp_path / "two")
+    initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    for name in p1:
+        torch.testing.assert_close(p2[name], p1[name], atol=1e-5, rtol=0, msg=name)
+    assert max(float((p1[n] - initial[n]).abs().max()) for n in p1) > 1e-4
+    single = [r["metrics"] for r in records(tmp_path / "one.jsonl", "step")]
+    assert [m["async/staleness_mean"] for m in single] == [0.0, 1.0, 1.0, 1.0]  # versions 0, 0, 1, 2
+    for rank in (0, 1):  # each rank's resumed steps 2 and 3 are the one process's: same rows and loss
+        mine = [r["metrics"] for r in records(tmp_path / "resumed.jsonl", "step") if r["rank"] == rank]
+        for m, s in zip(mine, single[2:], strict=True):
+            assert m["async/staleness_mean"] == 1.0 and m["async/dropped_rows"] == 0
+            assert m["train/rows"] == s["train/rows"] == 8
+            assert m["loss/total"] == pytest.approx(s["loss/total"], abs=1e-5)
 
 
 @pytest.mark.slow

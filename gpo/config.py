@@ -14,6 +14,7 @@ choice, before any model or dataset is touched. Defaults live in those dataclass
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 import typing
 from collections.abc import Mapping, Sequence
@@ -266,11 +267,18 @@ def _check_async(cfg: RunConfig) -> None:
         raise UserError("train.weight_updates=inflight hands newer weights to a generator running ahead, and "
                         "train.max_staleness=0 runs none (every step already generates with the newest weights): "
                         "set train.max_staleness >= 1, or drop train.weight_updates.")
+    if cfg.engine.generator == "ray" and not k:
+        raise UserError("engine.generator=ray places a generator running ahead, and train.max_staleness=0 runs none: "
+                        "set train.max_staleness >= 1, or drop engine.generator.")
     if not k:
         return
     why = None
     if cfg.engine.deepspeed_stage:
         why = "trains under plain DDP or on one process, not under DeepSpeed (engine.deepspeed_stage=0)"
+    elif cfg.engine.generator == "ray" and cfg.engine.num_processes > 1:
+        why = "on a Ray actor (engine.generator=ray) serves one training process so far (engine.num_processes=1)"
+    elif cfg.engine.generator == "ray" and importlib.util.find_spec("ray") is None:
+        why = "on a Ray actor (engine.generator=ray) needs Ray: pip install 'gpo[ray]' (or pip install ray)"
     elif cfg.engine.num_processes > 1 and cfg.backend.name == "vllm":
         why = ("with several ranks generates with gpo's decoder (backend=hf); a vLLM engine per rank's generator is "
                "not built yet")

@@ -123,6 +123,11 @@ class EngineConfig:
     # train.max_staleness >= 1: torch threads of the generator process (0 = half the cores); the trainer keeps the
     # rest.
     generator_threads: NonNegativeInt = 0
+    # Where that generator runs: `process`, spawned beside the trainer (weights through shared memory), or `ray`, a
+    # Ray actor anywhere on the cluster at `ray_address` (weights broadcast over a gloo group; pip install
+    # 'gpo[ray]'). ray_address: none starts a local Ray instance; `auto` joins the cluster of this node.
+    generator: Literal["process", "ray"] = "process"
+    ray_address: str | None = None
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpo.async_rollout import GeneratorWeights, sampling_version
 from gpo.config import compose
 from gpo.engine import Engine
+from gpo.generator import GeneratorWeights, sampling_version
 from gpo.logprobs import TokenLogprobs, batch_logprobs
 from gpo.metrics import PhaseTimer
 from test_faults import ended_within, final_params
@@ -59,7 +59,7 @@ def test_every_row_is_sampled_by_its_scheduled_version_and_trained_within_the_bo
                  "pruner=topk", "pruner.rate=0.5", "allocator=dynamic")
     seen = recorded(eng)
     metrics = [eng.step() for _ in range(steps)]
-    generator = eng.rollouts.process
+    generator = eng.rollouts.link.process
     eng.close()
 
     for step, (rows, m) in enumerate(zip(seen, metrics, strict=True)):
@@ -246,7 +246,7 @@ def test_a_vllm_generator_samples_each_step_with_its_scheduled_versions_weights(
 def test_a_generator_that_dies_is_restarted_and_the_run_goes_on(tiny_model_path, tmp_path):
     eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=4")
     first = [eng.step(), eng.step()]
-    victim = eng.rollouts.process
+    victim = eng.rollouts.link.process
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(timeout=30)
     rest = [eng.step(), eng.step()]

@@ -4,6 +4,7 @@ traceback (config rules in gpo.schema and gpo.config, machine checks in gpo.pref
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -86,11 +87,20 @@ def test_a_bad_correction_is_refused(capsys, args, says):
     (["train.max_staleness=-1"], "`train.max_staleness` must be >= 0"),
     (["train.max_staleness=0", "train.weight_updates=inflight"], "set train.max_staleness >= 1"),
     (["train.weight_updates=always"], "`train.weight_updates`"),
+    (["train.max_staleness=0", "engine.generator=ray"], "set train.max_staleness >= 1"),
+    (["engine.generator=ray", "engine=ddp", "engine.num_processes=2"], "serves one training process so far"),
 ])
 def test_what_async_rollouts_do_not_support_is_refused(capsys, args, says):
     max_staleness = [] if any(a.startswith("train.max_staleness") for a in args) else ["train.max_staleness=1"]
     line = refused(capsys, *QUICK, *max_staleness, *args)
     assert says in line, line
+
+
+def test_a_ray_generator_without_ray_installed_is_refused_saying_how_to_install_it(capsys, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    line = refused(capsys, *QUICK, "train.max_staleness=1", "engine.generator=ray")
+    assert "pip install 'gpo[ray]'" in line, line
 
 
 # --- where the run is written -------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("parts", ("gpo.config", "gpo.preflight", "gpo.build", "gpo.backends", "gpo.tracking", "gpo.tracking_store",
                "gpo.models", "gpo.parallel", "gpo.distributed", "gpo.decoding", "gpo.generation", "gpo.checkpoint",
                "gpo.sampler", "gpo.rewards", "gpo.metrics")),
-    ("run", ("gpo.rollout", "gpo.async_rollout", "gpo.engine", "gpo.evaluate", "gpo.study", "gpo.launch")),
+    ("run", ("gpo.rollout", "gpo.generator", "gpo.async_rollout", "gpo.async_ray", "gpo.engine", "gpo.evaluate",
+             "gpo.study", "gpo.launch")),
     ("cli", ("gpo.cli", "gpo.__main__")),
 ]
 

@@ -1,0 +1,63 @@
+"""engine.generator=ray (gpo/async_ray.py): the generator running ahead as a Ray actor on a local Ray cluster, its
+weights broadcast over a gloo group of two, samples what a spawned generator process samples; an actor that dies
+is replaced and the run goes on."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_async import engine, recorded
+from test_multiprocess import PLUGINS
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="pip install 'gpo[ray]'")]
+sys.path.insert(0, str(PLUGINS))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}})
+    yield ray
+    ray.shutdown()
+
+
+def test_a_ray_actor_generator_samples_and_trains_what_a_generator_process_does(local_ray, tiny_model_path,
+                                                                                tmp_path):
+    runs = {}
+    for where in ("process", "ray"):
+        eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=3",
+                     f"engine.generator={where}", f"run_name={where}")
+        seen = recorded(eng)
+        metrics = [eng.step() for _ in range(3)]
+        runs[where] = (seen, metrics, {k: v.detach().clone() for k, v in eng.policy.state_dict().items()})
+        eng.close()
+    (p_rows, _, p_weights), (r_rows, r_metrics, r_weights) = runs["process"], runs["ray"]
+    # The same completions, sampled by the same versions: the generator's log-probs of them are the broadcast
+    # weights' (stale weights in the actor would change them, though maybe not the sampled tokens).
+    for a, b in zip(p_rows, r_rows, strict=True):
+        assert b.versions.tolist() == a.versions.tolist() and torch.equal(b.completion_ids, a.completion_ids)
+        torch.testing.assert_close(b.sampler_logprobs, a.sampler_logprobs, atol=1e-6, rtol=0)
+    assert [m["async/staleness_mean"] for m in r_metrics] == [0.0, 1.0, 1.0]
+    initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    for name, value in p_weights.items():
+        torch.testing.assert_close(r_weights[name], value, atol=1e-6, rtol=0, msg=name)
+    assert max(float((r_weights[n] - v).abs().max()) for n, v in initial.items()) > 1e-4
+
+
+def test_an_actor_that_dies_is_replaced_and_the_run_goes_on(local_ray, tiny_model_path, tmp_path):
+    eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=4", "engine.generator=ray")
+    first = [eng.step(), eng.step()]
+    local_ray.kill(eng.rollouts.link.actor)
+    rest = [eng.step(), eng.step()]
+    eng.close()
+    assert first[-1]["async/generator_restarts"] == 0 and rest[-1]["async/generator_restarts"] == 1
+    assert all(m["async/staleness_max"] <= 1 and m["train/rows"] == 8 for m in first + rest)

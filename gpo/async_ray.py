@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from gpo.distributed import free_port
 from gpo.errors import UserError
-from gpo.generator import Channel, Spec, run_generator
+from gpo.generator import Channel, Spec, copy_weights, run_generator
 
 RENDEZVOUS_S = 300.0  # the actor's process may have to start, import torch and load the model first
 
@@ -100,7 +100,9 @@ class RayLink:
         if any(p.device.type != "cpu" for p in policy.parameters()):
             raise UserError("engine.generator=ray broadcasts the weights over gloo from CPU tensors; a policy on a "
                             "GPU is not supported yet. Use engine.generator=process.")
-        self.ray, self.policy, self.threads = ray, policy, threads
+        self.ray, self.threads = ray, threads
+        # the published version's weights, which a replacement actor starts from (the trainer's own may be newer)
+        self.weights = copy.deepcopy(policy).requires_grad_(False)
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=True,
                      runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_import_path())}})
@@ -116,8 +118,7 @@ class RayLink:
         port = free_port()
         remote = self.ray.remote(GeneratorActor).options(num_cpus=self.threads, max_concurrency=4)
         self.actor = remote.remote()
-        shared = copy.deepcopy(self.policy).requires_grad_(False)
-        started = self.actor.start.remote(spec, shared, self._published, host, port)
+        started = self.actor.start.remote(spec, self.weights, self._published, host, port)
         self.group = _pair(host, port, rank=0)  # waits for the actor's side
         self.ray.get(started)
 
@@ -128,13 +129,21 @@ class RayLink:
         return int(self._call(self.actor.taken_version.remote(), default=-1))
 
     def write(self, policy: torch.nn.Module, version: int, changed: bool) -> None:
+        """Broadcast version `version` into the actor's copy. An actor that died meanwhile is left to the caller's
+        next liveness check, which replaces it with these weights."""
         if changed:
-            received = self.actor.receive.remote(version)
-            _broadcast(self.group, policy)
-            self.ray.get(received)
-        else:
-            self.ray.get(self.actor.set_published.remote(version))
+            copy_weights(policy, self.weights)
         self._published = version
+        try:
+            if changed:
+                received = self.actor.receive.remote(version)
+                _broadcast(self.group, self.weights)
+                self.ray.get(received)
+            else:
+                self.ray.get(self.actor.set_published.remote(version))
+        except (RuntimeError, self.ray.exceptions.RayActorError):
+            if self._alive():
+                raise
 
     def get(self, timeout: float | None) -> Any:
         return self._call(self.actor.get.remote(timeout), default=None)

@@ -261,7 +261,7 @@ def _check_together(cfg: RunConfig) -> None:
 
 
 def _check_async(cfg: RunConfig) -> None:
-    """What a generator process running ahead (train.max_staleness >= 1, gpo/async_rollout.py) supports so far."""
+    """What a generator running ahead (train.max_staleness >= 1, gpo/generator.py) supports so far."""
     k = cfg.train.max_staleness
     if cfg.train.weight_updates == "inflight" and not k:
         raise UserError("train.weight_updates=inflight hands newer weights to a generator running ahead, and "

@@ -4,6 +4,7 @@ is replaced and the run goes on."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gpo.logprobs import TokenLogprobs, batch_logprobs
 from test_async import engine, recorded
 from test_multiprocess import PLUGINS
 
@@ -54,10 +56,30 @@ def test_a_ray_actor_generator_samples_and_trains_what_a_generator_process_does(
 
 
 def test_an_actor_that_dies_is_replaced_and_the_run_goes_on(local_ray, tiny_model_path, tmp_path):
+    """The replacement starts from the last published weights, not the trainer's newer ones: every row's generator
+    log-probs are those of the version it names."""
     eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=4", "engine.generator=ray")
-    first = [eng.step(), eng.step()]
-    local_ray.kill(eng.rollouts.link.actor)
-    rest = [eng.step(), eng.step()]
+    seen = recorded(eng)
+    delivered = eng.rollouts.next
+
+    def next_step(step, timer):  # the actor dies in step 2, before the trainer publishes version 3 to it
+        produced = delivered(step, timer)
+        if step == 2:
+            local_ray.kill(eng.rollouts.link.actor)
+        return produced
+
+    eng.rollouts.next = next_step
+    versions = [copy.deepcopy(eng.policy)]
+    metrics = []
+    for _ in range(4):
+        metrics.append(eng.step())
+        versions.append(copy.deepcopy(eng.policy))
     eng.close()
-    assert first[-1]["async/generator_restarts"] == 0 and rest[-1]["async/generator_restarts"] == 1
-    assert all(m["async/staleness_max"] <= 1 and m["train/rows"] == 8 for m in first + rest)
+    assert metrics[1]["async/generator_restarts"] == 0 and metrics[-1]["async/generator_restarts"] == 1
+    assert all(m["async/staleness_max"] <= 1 and m["train/rows"] == 8 for m in metrics)
+    for rows in seen:
+        for v in set(rows.versions.tolist()):
+            mine = rows.select(rows.versions == v)
+            mask = mine.completion_mask.bool()
+            pi = batch_logprobs(TokenLogprobs(versions[v]), mine, 8, 1.0)  # [N, L]
+            torch.testing.assert_close(mine.sampler_logprobs[mask], pi[mask], atol=2e-5, rtol=0)

@@ -151,10 +151,10 @@ class RayLink:
     def exit_code(self) -> int | None:
         """None while the generator thread runs; 0 once it returned (its errors arrive as messages); -9 when the
         actor itself is gone (its process or node died)."""
-        running = self._call(self.actor.running.remote(), default=False)
-        if running:
-            return None
-        return 0 if self._alive() else -9
+        running = self._call(self.actor.running.remote(), default=None)
+        if running is None:
+            return -9
+        return None if running else 0
 
     def close(self) -> None:
         if self.actor is None:
@@ -164,11 +164,7 @@ class RayLink:
         self.actor = None
 
     def _alive(self) -> bool:
-        try:
-            self.ray.get(self.actor.running.remote())
-        except self.ray.exceptions.RayActorError:
-            return False
-        return True
+        return self._call(self.actor.running.remote(), default=None) is not None
 
     def _call(self, ref: Any, default: Any) -> Any:
         """A call's result, or `default` when the actor died (exit_code then reports it)."""

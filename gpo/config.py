@@ -91,6 +91,23 @@ def _completion_length(prelim: DictConfig) -> int:
 def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
             layers: Sequence[Mapping[str, Any]] = ()) -> RunConfig:
     """Build and validate the run config from command-line style arguments, files and in-memory layers."""
+    plain, auto_note = _merged(args, config_files, layers)
+    cfg = validate(plain)
+    if auto_note:  # only for a valid config: an error message stays the one line it is
+        _say_once(auto_note)
+    return cfg
+
+
+def picked_components(args: Sequence[str] = (), layers: Sequence[Mapping[str, Any]] = ()) -> dict[str, str]:
+    """The component of each kind that the arguments and layers pick, read before any setting is checked: a study
+    asks this to learn which `kind.field` settings apply to a combination (the others are dropped from it)."""
+    plain, _ = _merged(args, (), layers)
+    return {kind: _component_entry(kind, plain.get(kind)).name for kind in KINDS}
+
+
+def _merged(args: Sequence[str], config_files: Sequence[str | Path],
+            layers: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], str | None]:
+    """Every layer merged into one plain mapping, not yet validated, and backend=auto's note (None without it)."""
     picks, overrides = split_args(list(args))
     base = _load_yaml(CONFIG_ROOT / "base.yaml")
     picked: dict[str, str] = dict(base.pop("defaults", {}))
@@ -125,10 +142,7 @@ def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
         plain = cast(dict[str, Any], OmegaConf.to_container(merged, resolve=True))
     except Exception as exc:  # an interpolation `${...}` that points nowhere
         raise UserError(f"cannot resolve the config: {exc}") from None
-    cfg = validate(plain)
-    if auto_note:  # only for a valid config: an error message stays the one line it is
-        _say_once(auto_note)
-    return cfg
+    return plain, auto_note
 
 
 def validate(raw: Mapping[str, Any]) -> RunConfig:
@@ -203,14 +217,18 @@ _TopLevel = _top_level_schema()
 
 
 def _component(kind: str, node: Any) -> Component:
+    entry = _component_entry(kind, node)
+    body = {k: v for k, v in node.items() if k != "name"}
+    return Component(kind, entry.name, validated(body, entry.config, kind))
+
+
+def _component_entry(kind: str, node: Any) -> Any:
     if node is not None and not isinstance(node, Mapping):
         raise UserError(f"`{kind}` must be a section with a `name`, got {node!r}; pick a component with "
                         f"`{kind}=NAME` (choices: {', '.join(choices(kind))}).")
     if node is None or "name" not in node:
         raise UserError(f"`{kind}` is missing: pick one with `{kind}=NAME` (choices: {', '.join(choices(kind))}).")
-    entry = registry.get(kind, str(node["name"]))
-    body = {k: v for k, v in node.items() if k != "name"}
-    return Component(kind, entry.name, validated(body, entry.config, kind))
+    return registry.get(kind, str(node["name"]))
 
 
 # Keys that left a section, and what says the same thing now.

@@ -307,14 +307,9 @@ def _fields(kind: str, name: str) -> list[str]:
 
 
 def _picked_components(args: list[str], layers: list[dict]) -> dict[str, str]:
-    """Which component each group resolves to, composed without any component settings (they cannot change it)."""
-    from gpo.config import KINDS, split_args
+    from gpo.config import picked_components
 
-    picks, overrides = split_args(args)
-    plain = [o for o in overrides if o.partition("=")[0].split(".")[0] not in KINDS]
-    bare = [{k: v for k, v in layer.items() if k not in KINDS} for layer in layers]
-    cfg = _compose([f"{k}={v}" for k, v in picks.items()] + plain, bare)
-    return {kind: getattr(cfg, kind).name for kind in KINDS}
+    return picked_components(args, layers)
 
 
 def _applicable_args(args: list[str], names: dict[str, str]) -> tuple[list[str], dict[str, tuple[str, str]]]:

@@ -45,6 +45,14 @@ def test_grid_is_the_product_with_inapplicable_overrides_dropped_and_duplicates_
     assert all(r.cfg.task.name == "toy" for r in p.runs)
 
 
+def test_a_component_setting_that_only_its_value_makes_valid_is_kept():
+    """topk's default rate 0.75 keeps no completion of a group of 2, so topk is valid here only with
+    `pruner.rate=0.5`: telling which component a combination picks must not check the defaults without it."""
+    p = plan(["pruner=none,topk", "pruner.rate=0.5", "train.group_size=2", *TOY])
+    assert [(r.cfg.pruner.name, getattr(r.cfg.pruner.config, "rate", None)) for r in p.runs] == [
+        ("none", None), ("topk", 0.5)]
+
+
 def test_the_staleness_bound_is_an_axis_and_its_refusals_reach_the_plan():
     p = plan(["train.max_staleness=0,1,2,4", *TOY])
     assert [r.combination for r in p.runs] == [f"train.max_staleness={k}" for k in (0, 1, 2, 4)]

@@ -372,12 +372,23 @@ def train(cfg: RunConfig) -> dict[str, float]:
 # --- small helpers --------------------------------------------------------------------------------------------
 
 
-def _scheduler(optimizer: Any, name: str, warmup_ratio: float, total: int) -> Any:
-    from transformers import get_scheduler
+def lr_factor(schedule: str, step: int, warmup: int, total: int) -> float:
+    """The learning rate's multiple at optimizer step `step` (0-based): a linear warm-up over `warmup` steps, then
+    `optim.schedule` over the rest. The same curves as transformers' `get_scheduler` (cosine, linear,
+    constant_with_warmup; a test compares them), written here because importing that module also imports peft."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return max(0.0, (total - step) / max(1, total - warmup))
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # cosine, half a period
 
-    names = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}  # optim.schedule's choices
-    return get_scheduler(names[name], optimizer, num_warmup_steps=math.ceil(warmup_ratio * total),
-                         num_training_steps=max(total, 1))
+
+def _scheduler(optimizer: Any, name: str, warmup_ratio: float, total: int) -> Any:
+    warmup, total = math.ceil(warmup_ratio * total), max(total, 1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(name, step, warmup, total))
 
 
 @contextmanager

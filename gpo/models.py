@@ -105,14 +105,16 @@ def resolve_path(path: str, tokenizer: bool = False) -> str:
 
 
 def _lean_transformers() -> None:
-    """Call before importing transformers' models: it imports scikit-learn (about 4 s of every process start, as
-    mlflow installs it) only for assisted decoding's confidence threshold, which gpo never runs. Only transformers'
-    own check is answered; a user's reward can still import scikit-learn."""
+    """Call before importing transformers' models: it imports scikit-learn and scipy whenever they are installed
+    (mlflow installs both; seconds of every process start, docs/benchmarks.md) for assisted decoding's confidence
+    threshold and object-detection losses, which gpo never runs. Only transformers' own checks are answered; a
+    user's reward can still import either."""
     if "transformers.generation.candidate_generator" in sys.modules:
         return  # already imported (by the user's code): nothing left to save
     from transformers import utils
 
     utils.is_sklearn_available = lambda: False
+    utils.is_scipy_available = lambda: False
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:

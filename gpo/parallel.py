@@ -88,6 +88,20 @@ def _deepspeed_imported() -> bool:
     return "deepspeed" in sys.modules
 
 
+def _import_deepspeed() -> None:
+    """DeepSpeed's autotuner imports mlflow whenever it is installed (seconds of every ZeRO rank's start, pandas
+    included), only to log autotuning trials, which gpo never runs. Unless mlflow is imported already (gpo's
+    tracking then uses it), that one import sees it as missing; later imports of mlflow find it as usual."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        return
+    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
+    try:
+        import deepspeed  # noqa: F401
+    finally:
+        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+
+
 def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConfig) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
@@ -109,7 +123,7 @@ def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConf
     if cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed looks for CUDA otherwise
     try:
-        import deepspeed  # noqa: F401
+        _import_deepspeed()
     except ImportError:
         raise UserError("engine.deepspeed_stage > 0 needs DeepSpeed: pip install 'gpo[deepspeed]'.") from None
     from accelerate.utils import DeepSpeedPlugin

@@ -77,3 +77,27 @@ def test_engines_built_one_after_another_each_get_their_own_mixed_precision():
     """
     printed, _ = _run(code)
     assert printed
+
+
+@needs_deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed: nothing to hide")
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterwards():
+    """DeepSpeed's autotuner imports mlflow (seconds) whenever it can; gpo's import of DeepSpeed hides it for that
+    one import, and a later `import mlflow` (gpo's tracking) finds it. With mlflow imported first, DeepSpeed sees it."""
+    check = """
+    import os, sys
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    {first}
+    from gpo.parallel import _import_deepspeed
+    _import_deepspeed()
+    from deepspeed.autotuning import autotuner
+    print(autotuner.has_mlflow, "mlflow" in sys.modules, end=" ")
+    import mlflow
+    print(mlflow.__name__, end=" ")
+    print("deepspeed" in sys.modules)
+    """
+    for first, seen in (("", "False False mlflow True"), ("import mlflow", "True True mlflow True")):
+        out = subprocess.run([sys.executable, "-c", textwrap.dedent(check.format(first=first))], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == seen, (first, out.stdout)

@@ -129,7 +129,40 @@ def _engine_checks(workdir: Path) -> dict:
         "stale_diff": float((stale - trained).abs().max()),
         "after_sync_diff": float((_vllm_fixed_logprobs(backend, fixed_prompt, fixed) - now).abs().max()),
     }
+    result["inflight"] = _inflight_checks(backend, policy, prompts[:2], tok)
     return result
+
+
+def _inflight_checks(backend, policy, prompts, tok) -> dict:
+    """train.weight_updates=inflight as the generator process runs it: before each generation call it takes the
+    newest published weights into its private copy, and vLLM follows. Version 1 is published between two calls."""
+    import copy
+    from types import SimpleNamespace
+
+    from gpo.generator import GeneratorWeights
+    from gpo.logprobs import TokenLogprobs, batch_logprobs
+
+    version0, version1 = copy.deepcopy(policy), copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in version1.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    shared, published, taken = copy.deepcopy(version0), SimpleNamespace(value=0), SimpleNamespace(value=-1)
+    weights = GeneratorWeights(shared, published, taken, copy.deepcopy(version0))
+    backend.sync_weights(weights.model)  # the generator starts on version 0
+    sampling = Sampling(max_new_tokens=8, temperature=1.0)
+    calls = []
+    for call in range(2):
+        version = weights.before_call(backend)
+        rows = generate(backend, prompts, 4, sampling, seed=11 + call, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+        m = rows.completion_mask.bool()
+        gaps = {v: float((batch_logprobs(TokenLogprobs(policy_v), rows, 8, 1.0) - rows.sampler_logprobs)[m].abs().max())
+                for v, policy_v in enumerate((version0, version1))}
+        calls.append({"version": version, "gap_to_version": gaps})
+        if call == 0:  # the trainer publishes version 1 while the generator is inside its step
+            shared.load_state_dict(version1.state_dict())
+            published.value = 1
+    return {"calls": calls, "inflight": weights.inflight, "taken": taken.value}
 
 
 def _logprobs_with_grad(policy, prompt, completion):

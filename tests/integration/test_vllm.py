@@ -374,6 +374,18 @@ def test_skipping_the_sync_leaves_vllm_on_stale_weights(engine_checks):
 
 @needs_vllm
 @pytest.mark.slow
+def test_inflight_weights_reach_vllm_between_two_calls_of_a_step(engine_checks):
+    """train.weight_updates=inflight with backend=vllm: weights published between two generation calls are taken
+    before the second; each call's vLLM log-probs are those of the version it reports, not the other's."""
+    r = engine_checks["inflight"]
+    assert [c["version"] for c in r["calls"]] == [0, 1] and r["inflight"] == 1 and r["taken"] == 1
+    for call in r["calls"]:
+        own, other = call["gap_to_version"][str(call["version"])], call["gap_to_version"][str(1 - call["version"])]
+        assert own < TOLERANCE and other > MISMATCH, call
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_two_ranks_each_generate_their_share_and_sync_after_the_step(tmp_path):
     check_ranks(run_rank_checks(tmp_path, "ddp"))
 

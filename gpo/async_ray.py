@@ -6,7 +6,9 @@ made beside any group the trainer already has (DDP's stays the default one): to 
 broadcasts every tensor of its state dict into the actor's copy, which the generator then copies out, with the
 same handshake as shared memory (the trainer writes only once the generator has taken the version held). Steps
 come back through the actor's queue. A non-detached actor ends with the process that created it, so a trainer
-that dies takes its generator with it. CPU tensors (gloo); an actor on a GPU (NCCL) is not built yet.
+that dies takes its generator with it. With several ranks each rank has an actor of its own, all in one cluster
+(rank 0 starts a local one unless engine.ray_address names one), and the actors form the generators' group as
+spawned generators do. CPU tensors (gloo); an actor on a GPU (NCCL) is not built yet.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from gpo.distributed import free_port
 from gpo.errors import UserError
 from gpo.generator import Channel, Spec, copy_weights, run_generator
 
+AUTH_MODE = "RAY_AUTH_MODE"
 RENDEZVOUS_S = 300.0  # the actor's process may have to start, import torch and load the model first
 
 
@@ -103,9 +106,7 @@ class RayLink:
         self.ray, self.threads = ray, threads
         # the published version's weights, which a replacement actor starts from (the trainer's own may be newer)
         self.weights = copy.deepcopy(policy).requires_grad_(False)
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=True,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_import_path())}})
+        _init_ray(ray, address)
         self._published = version
         self.actor: Any = None
         self.group: Any = None
@@ -172,6 +173,30 @@ class RayLink:
             return self.ray.get(ref)
         except self.ray.exceptions.RayActorError:
             return default
+
+
+def start_local_ray() -> dict[str, str]:
+    """Start this process's local Ray and say how the other ranks join it: the cluster's address, and its
+    authentication mode (a new local cluster turns token authentication on for the process that starts it only;
+    the token itself is saved in the user's home, where the other ranks on this machine find it)."""
+    import ray
+
+    _init_ray(ray, None)
+    return {"address": str(ray.get_runtime_context().gcs_address),
+            AUTH_MODE: os.environ.get(AUTH_MODE, "")}
+
+
+def join_ray(how: dict[str, str]) -> str:
+    """Join the cluster `start_local_ray` started on rank 0; its address, for RayLink."""
+    if how[AUTH_MODE]:
+        os.environ[AUTH_MODE] = how[AUTH_MODE]
+    return how["address"]
+
+
+def _init_ray(ray: Any, address: str | None) -> None:
+    if not ray.is_initialized():  # address None: a local cluster of this process's own
+        ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_import_path())}})
 
 
 def _import_path() -> list[str]:

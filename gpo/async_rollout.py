@@ -23,9 +23,11 @@ import io
 import os
 import queue
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gpo.distributed import free_port, from_rank_zero
 from gpo.errors import UserError
@@ -49,6 +51,7 @@ class AsyncRollouts:
         self.ready: dict[int, Produced] = {}
         self.restarts, self.failures_in_a_row = 0, 0
         self.link: Any = None  # ProcessLink or gpo.async_ray.RayLink, once started
+        self.store: Any = None  # with several ranks, on rank 0: where the generators meet
         self.evaluation_stale = False
 
     # --- RolloutSource -----------------------------------------------------------------------------------------
@@ -113,17 +116,27 @@ class AsyncRollouts:
         total = torch.get_num_threads()
         self.threads = self.cfg.engine.generator_threads or max(1, total // 2)
         torch.set_num_threads(max(1, total - self.threads))
-        self.rendezvous = ""
-        if self.world_size > 1:  # each rank's generator samples its share; they gather each step's rows together
-            host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            self.rendezvous = f"{host}:{from_rank_zero(free_port())}"
+        self.rendezvous = self._generators_store() if self.world_size > 1 else ""
         if self.cfg.engine.generator == "ray":
-            from gpo.async_ray import RayLink
+            from gpo.async_ray import RayLink, join_ray, start_local_ray
 
-            self.link = RayLink(self.policy, step, self.cfg.engine.ray_address, self.threads)
+            address = self.cfg.engine.ray_address
+            if self.world_size > 1 and not address:  # one local cluster for every rank's actor, started by rank 0
+                address = join_ray(from_rank_zero(start_local_ray() if self.rank == 0 else None))
+            self.link = RayLink(self.policy, step, address, self.threads)
         else:
             self.link = ProcessLink(self.policy, step)
         self._spawn()
+
+    def _generators_store(self) -> str:
+        """Where the ranks' generators meet to form their group: a store that rank 0's trainer holds, so that a
+        generator anywhere (a process here, a Ray actor on any node) only connects to it. "host:port"."""
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = from_rank_zero(free_port())
+        if self.rank == 0:
+            self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=self.cfg.engine.collective_timeout_s))
+        return f"{host}:{port}"
 
     def _spawn(self) -> None:
         self.link.spawn(Spec(self.cfg, self.frontier + 1, self.state, self.threads, self.rank, self.world_size,

@@ -293,8 +293,6 @@ def _check_async(cfg: RunConfig) -> None:
     why = None
     if cfg.engine.deepspeed_stage:
         why = "trains under plain DDP or on one process, not under DeepSpeed (engine.deepspeed_stage=0)"
-    elif cfg.engine.generator == "ray" and cfg.engine.num_processes > 1:
-        why = "on a Ray actor (engine.generator=ray) serves one training process so far (engine.num_processes=1)"
     elif cfg.engine.generator == "ray" and importlib.util.find_spec("ray") is None:
         why = "on a Ray actor (engine.generator=ray) needs Ray: pip install 'gpo[ray]' (or pip install ray)"
     elif cfg.engine.num_processes > 1 and cfg.backend.name == "vllm":

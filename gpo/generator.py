@@ -120,10 +120,10 @@ def run_generator(spec: Spec, channel: Channel) -> None:
         registry.load_plugins(cfg.plugins)
         model = copy.deepcopy(channel.shared)  # private: the trainer rewrites the shared copy while this one samples
         weights = GeneratorWeights(channel.shared, channel.published, channel.taken, model)
-        if spec.world_size > 1:  # a store of its own: under torch's launcher tcp:// would join the trainers' store
-            host, port = spec.rendezvous.rsplit(":", 1)
+        if spec.world_size > 1:  # a store of its own (rank 0's trainer holds it): under torch's launcher tcp://
+            host, port = spec.rendezvous.rsplit(":", 1)  # would join the trainers' store
             timeout = timedelta(seconds=cfg.engine.collective_timeout_s)
-            store = dist.TCPStore(host, int(port), spec.world_size, is_master=spec.rank == 0, timeout=timeout)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
             dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
         parts = build(cfg, trainable=False, policy=model)
         rollout = _rollout(cfg, parts, spec.rank, spec.world_size)

@@ -83,3 +83,28 @@ def test_an_actor_that_dies_is_replaced_and_the_run_goes_on(local_ray, tiny_mode
             mask = mine.completion_mask.bool()
             pi = batch_logprobs(TokenLogprobs(versions[v]), mine, 8, 1.0)  # [N, L]
             torch.testing.assert_close(mine.sampler_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
+
+
+def test_two_ranks_each_with_an_actor_train_what_one_process_with_its_generator_trains(tiny_model_path, tmp_path):
+    """engine.num_processes=2 with engine.generator=ray: rank 0 starts a local Ray cluster and rank 1 joins it; each
+    rank's actor samples that rank's share of every step, the actors gather the rows among themselves, and the run
+    ends with the weights of one process with a spawned generator."""
+    from test_faults import final_params
+    from test_multiprocess import COMMON, finish, records, start
+
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=none", *COMMON, "train.steps=3",
+            "train.max_staleness=1"]
+    one = finish(start([*base, "run_name=one"], tmp_path / "one.jsonl"))
+    two = finish(start([*base, "run_name=two", "engine=ddp", "engine.num_processes=2", "engine.generator=ray"],
+                       tmp_path / "two.jsonl"), timeout=600)
+    assert "launching 2 processes" in two and "Started a local Ray instance" in two, (one[-2000:], two[-4000:])
+    p1, p2 = final_params(tmp_path / "one"), final_params(tmp_path / "two")
+    for name in p1:
+        torch.testing.assert_close(p2[name], p1[name], atol=1e-5, rtol=0, msg=name)
+    initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    assert max(float((p1[n] - initial[n]).abs().max()) for n in p1) > 1e-4
+    single = [r["metrics"] for r in records(tmp_path / "one.jsonl", "step")]
+    for rank in (0, 1):
+        mine = [r["metrics"] for r in records(tmp_path / "two.jsonl", "step") if r["rank"] == rank]
+        assert [m["train/rows"] for m in mine] == [m["train/rows"] for m in single]
+        assert [m["loss/total"] for m in mine] == pytest.approx([m["loss/total"] for m in single], abs=1e-5)

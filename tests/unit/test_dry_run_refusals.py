@@ -88,7 +88,6 @@ def test_a_bad_correction_is_refused(capsys, args, says):
     (["train.max_staleness=0", "train.weight_updates=inflight"], "set train.max_staleness >= 1"),
     (["train.weight_updates=always"], "`train.weight_updates`"),
     (["train.max_staleness=0", "engine.generator=ray"], "set train.max_staleness >= 1"),
-    (["engine.generator=ray", "engine=ddp", "engine.num_processes=2"], "serves one training process so far"),
 ])
 def test_what_async_rollouts_do_not_support_is_refused(capsys, args, says):
     max_staleness = [] if any(a.startswith("train.max_staleness") for a in args) else ["train.max_staleness=1"]

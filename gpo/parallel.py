@@ -92,13 +92,13 @@ def _import_deepspeed() -> None:
     """DeepSpeed's autotuner imports mlflow whenever it is installed (seconds of every ZeRO rank's start, pandas
     included), only to log autotuning trials, which gpo never runs. Unless mlflow is imported already (gpo's
     tracking then uses it), that one import sees it as missing; later imports of mlflow find it as usual."""
-    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
-        return
-    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
+    hide = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
     try:
         import deepspeed  # noqa: F401
     finally:
-        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+        if hide and sys.modules.get("mlflow", 0) is None:
             del sys.modules["mlflow"]
 
 

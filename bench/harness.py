@@ -19,6 +19,10 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+# Each arm names the precision it measures: `auto` means float32 in benchmarks, so that a recorded command
+# measures the same arms on machines with and without bfloat16 instructions.
+os.environ.setdefault("GPO_AUTO_PRECISION", "float32")
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "benchmarks.md"
 DOC_HEADER = """# Benchmarks

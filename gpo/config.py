@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import sys
 import typing
 from collections.abc import Mapping, Sequence
@@ -92,9 +93,10 @@ def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
             layers: Sequence[Mapping[str, Any]] = ()) -> RunConfig:
     """Build and validate the run config from command-line style arguments, files and in-memory layers."""
     plain, auto_note = _merged(args, config_files, layers)
-    cfg = validate(plain)
-    if auto_note:  # only for a valid config: an error message stays the one line it is
-        _say_once(auto_note)
+    notes = [auto_note] if auto_note else []
+    cfg = validate(plain, notes)
+    for note in notes:  # only for a valid config: an error message stays the one line it is
+        _say_once(note)
     return cfg
 
 
@@ -145,10 +147,10 @@ def _merged(args: Sequence[str], config_files: Sequence[str | Path],
     return plain, auto_note
 
 
-def validate(raw: Mapping[str, Any]) -> RunConfig:
+def validate(raw: Mapping[str, Any], notes: list[str] | None = None) -> RunConfig:
     """A plain mapping (every layer merged) as the typed run config, or a UserError naming the first problem.
     The built-in components and the mapping's `plugins` are imported first (a fresh process can validate a saved
-    config)."""
+    config). `auto` precisions come back resolved for this machine, with the reason added to `notes`."""
     raw = dict(_plain(raw))
     registry.load_builtins()
     registry.load_plugins(_as_list(raw.get("plugins")))
@@ -170,8 +172,55 @@ def validate(raw: Mapping[str, Any]) -> RunConfig:
         values[name] = validated(node or {}, schema, name)
     cfg = validated({k: raw[k] for k in TOP_LEVEL if k in raw}, _TopLevel, "")
     cfg = RunConfig(**values, **{k: getattr(cfg, k) for k in TOP_LEVEL})
+    cfg, note = _resolve_auto_precision(cfg)
+    if note and notes is not None:
+        notes.append(note)
     _check_together(cfg)
     return cfg
+
+
+AUTO_PRECISION_ENV = "GPO_AUTO_PRECISION"  # pins what the `auto` precisions resolve to, on every machine
+
+
+def _resolve_auto_precision(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """engine.mixed_precision=auto and backend=hf's backend.precision=auto (the defaults) as this machine's
+    fastest precision that trains as well as float32: bf16 rollouts and updates where bfloat16 runs natively,
+    float32 elsewhere (the measurements are in docs/precision.md). vLLM's own `auto` is left to the backend."""
+    mixed = cfg.engine.mixed_precision == "auto"
+    rollout = cfg.backend.name == "hf" and getattr(cfg.backend.config, "precision", None) == "auto"
+    if not (mixed or rollout):
+        return cfg, None
+    pick, why = _auto_precision(cfg.model.dtype)
+    engine, backend, chosen = cfg.engine, cfg.backend, []
+    if mixed:
+        engine = dataclasses.replace(engine, mixed_precision="bf16" if pick == "bf16" else "no")
+        chosen.append(f"engine.mixed_precision={engine.mixed_precision}")
+    if rollout:
+        backend = dataclasses.replace(backend, config=dataclasses.replace(backend.config, precision=pick))
+        chosen.append(f"backend.precision={pick}")
+    note = f"precision auto: {' '.join(chosen)} ({why})." if why else None  # a pin by the environment is not said
+    return dataclasses.replace(cfg, engine=engine, backend=backend), note
+
+
+def _auto_precision(dtype: str) -> tuple[str, str]:
+    """(bf16 or float32, why) for the `auto` precisions of a policy loaded in `dtype`; why is empty when the
+    environment pins them."""
+    if dtype != "float32":  # no float32 master weights to keep: the policy trains and samples in its own dtype
+        return "float32", f"model.dtype={dtype}: the policy trains and samples in its own dtype"
+    pinned = os.environ.get(AUTO_PRECISION_ENV, "").strip()
+    if pinned:
+        if pinned not in ("float32", "bf16"):
+            raise UserError(f"{AUTO_PRECISION_ENV}={pinned}: it pins what the `auto` precisions mean, float32 or bf16 "
+                            f"(unset: from this machine).")
+        return pinned, ""
+    from gpo.backends.precision import this_machine
+
+    machine = this_machine()
+    device = "CUDA GPU" if machine.cuda else "CPU"
+    if machine.bf16_instructions:
+        return "bf16", f"this {device} multiplies bfloat16 natively; float32: engine.mixed_precision=no " \
+                       f"backend.precision=float32"
+    return "float32", f"this {device} has no bfloat16 instructions"
 
 
 def component(kind: str, name: str, **values: Any) -> Component:

@@ -111,7 +111,8 @@ class EngineConfig:
     # Mixed-precision updates (docs/precision.md): bf16/fp16 run the decoder's matrix products in 16 bits under
     # autocast while weights, gradients and AdamW state stay float32 (DeepSpeed keeps bf16 module copies of its
     # float32 master weights); the LM head, log-softmax and loss stay float32. fp16 needs a CUDA GPU (loss scaling).
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    # auto: bf16 where this machine multiplies bfloat16 natively and model.dtype is float32, no elsewhere.
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     # The no-grad old-policy and reference log-prob passes; `train` = as mixed_precision. The old-policy pass in
     # the training precision makes the first pass's ratio exactly 1.
     logprob_precision: Literal["train", "no", "bf16", "fp16"] = "train"

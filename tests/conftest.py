@@ -35,8 +35,11 @@ settings.load_profile("gpo")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """`make test` runs two pytest-xdist workers on two cores: each computes on one thread, as two workers of
+    """The `auto` precisions mean float32 in every test and every process a test starts, so that the suite trains
+    alike on machines with and without bfloat16 instructions; tests of `auto` itself lift the pin.
+    `make test` runs two pytest-xdist workers on two cores: each computes on one thread, as two workers of
     two threads each would contend for the cores. The processes a test starts keep torch's default."""
+    os.environ["GPO_AUTO_PRECISION"] = "float32"
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 

@@ -34,7 +34,9 @@ class HFConfig:
     #      that draws each token by inverse CDF and stops computing rows that have finished.
     # generate: transformers' `generate` on n copies of each prompt (the path before; kept for comparison).
     decode: Literal["gpo", "generate"] = "gpo"
-    # auto / float32: sample with the policy itself (in its own dtype, float32 unless model.dtype says otherwise).
+    # float32: sample with the policy itself (in its own dtype, float32 unless model.dtype says otherwise).
+    # auto: bf16 where this machine multiplies bfloat16 natively and model.dtype is float32, float32 elsewhere
+    # (gpo.config resolves it).
     # bf16: a bfloat16 copy of the policy. int8: a copy whose Linear layers are int8 with activations quantised per
     # call (CPU). Copies are refreshed after every optimizer step (metric time/weight_sync).
     precision: Literal["auto", "float32", "bf16", "int8"] = "auto"

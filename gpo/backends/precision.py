@@ -17,6 +17,7 @@ float32. torch is already a dependency, so int8 needs no extra.
 
 from __future__ import annotations
 
+import platform
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,17 +44,27 @@ class Machine:
     cuda: bool
     bf16: bool  # native bfloat16 matmuls: a CUDA GPU that supports them, or a CPU oneDNN runs them natively on
     dynamic_int8: bool  # torch's dynamic int8 Linear: CPU only, a quantized engine in this torch build
+    # bf16 instructions of their own (x86: AVX-512 BF16 or AMX): where the `auto` precisions pick bf16. Plain
+    # AVX-512 runs bf16 through conversions, with no measured gain over float32.
+    bf16_instructions: bool = False
 
 
 def this_machine() -> Machine:
     cuda = torch.cuda.is_available()
     if cuda:
-        bf16 = torch.cuda.is_bf16_supported()
+        bf16 = instructions = torch.cuda.is_bf16_supported()
     else:  # AVX-512 (with or without its BF16 extension), AMX or Arm BF16; on AVX2 bfloat16 is emulated and slow
         bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+        instructions = bf16 and (not x86 or _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported"))
     engines = set(torch.backends.quantized.supported_engines) - {"none"}
     int8 = not cuda and bool(engines) and hasattr(torch.ao.quantization, "quantize_dynamic")
-    return Machine(cuda=cuda, bf16=bf16, dynamic_int8=int8)
+    return Machine(cuda=cuda, bf16=bf16, dynamic_int8=int8, bf16_instructions=instructions)
+
+
+def _cpu_has(probe: str) -> bool:
+    """torch.cpu's feature probe `probe`, False where this torch lacks it."""
+    return bool(getattr(torch.cpu, probe, lambda: False)())
 
 
 def runnable(backend: str, machine: Machine) -> tuple[str, ...]:
@@ -84,11 +95,14 @@ def refusal(backend: str, precision: str, machine: Machine) -> str | None:
     return f"backend.precision={precision}: {why}; backend={backend} runs {runs} on this machine."
 
 
-def vllm_settings(precision: str, on_gpu: bool, policy_dtype: torch.dtype) -> dict[str, Any]:
+def vllm_settings(precision: str, on_gpu: bool, policy_dtype: torch.dtype, gpu_bf16: bool = True) -> dict[str, Any]:
     """vLLM's `dtype` and `quantization` for a precision. fp8 is vLLM's online quantisation (weights cast to fp8
-    when loaded, activations scaled per call), over bfloat16."""
+    when loaded, activations scaled per call), over bfloat16. `auto` on a GPU is its native bfloat16 (a float32
+    policy trains with float32 master weights; the mismatch correction covers the difference) where it has bf16,
+    else the policy's dtype; on CPU float32."""
     if precision == "auto":
-        dtype = str(policy_dtype).removeprefix("torch.") if on_gpu else "float32"
+        native = on_gpu and gpu_bf16 and policy_dtype in (torch.float32, torch.bfloat16)
+        dtype = "bfloat16" if native else str(policy_dtype).removeprefix("torch.") if on_gpu else "float32"
         return {"dtype": dtype, "quantization": None}
     dtypes = {"float32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
     return {"dtype": dtypes[precision], "quantization": "fp8" if precision == "fp8" else None}

@@ -23,7 +23,7 @@ REFUSED = [
     ("optim.schedule=cosin", "`optim.schedule` must be one of cosine, linear, constant; got `cosin`. Did you mean "
                              "`cosine`?"),
     ("algo.kl_estimator=k9", "`algo.kl_estimator` must be one of k1, k2, k3; got `k9`."),
-    ("engine.mixed_precision=bf17", "`engine.mixed_precision` must be one of no, bf16, fp16; got `bf17`."),
+    ("engine.mixed_precision=bf17", "`engine.mixed_precision` must be one of auto, no, bf16, fp16; got `bf17`."),
     ("engine.deepspeed_stage=1", "`engine.deepspeed_stage` must be one of 0, 2, 3; got `1`."),
     ("train.group_size=1", "`train.group_size` must be >= 2, got 1."),
     ("pruner.rate=1.0", "`pruner.rate` must be < 1"),

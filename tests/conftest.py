@@ -37,13 +37,14 @@ settings.load_profile("gpo")
 def pytest_configure(config: pytest.Config) -> None:
     """The `auto` precisions mean float32 in every test and every process a test starts, so that the suite trains
     alike on machines with and without bfloat16 instructions; tests of `auto` itself lift the pin.
-    `make test` runs two pytest-xdist workers on two cores: each computes on one thread, as two workers of
-    two threads each would contend for the cores. The processes a test starts keep torch's default."""
+    `make test` runs two pytest-xdist workers on two cores: each computes on one thread, and so do the processes
+    its tests start (OpenMP's threads would otherwise spin on a core the other worker is using)."""
     os.environ["GPO_AUTO_PRECISION"] = "float32"
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -6,9 +6,10 @@ Arms (each generates the same prompts, with the same seeds, on the same weights 
                the G samples, inverse-CDF draws, finished rows dropped from the batch
   hf-gpo-bf16  gpo's decoder on a bfloat16 copy of the policy (`backend.precision=bf16`)
   hf-gpo-int8  gpo's decoder on a copy with int8 dynamically quantised Linear layers (`backend.precision=int8`);
-               the column "x hf-gpo" is each precision's speed against float32's. By default the precisions this
-               machine runs natively (gpo/backends/precision.py) are timed.
+               the columns "x hf-gpo" and "x vllm" are each precision's speed against float32's. By default
+               the precisions this machine runs natively (gpo/backends/precision.py) are timed.
   vllm         vLLM (`backend=vllm`), when it is installed and `--vllm` is given (it starts its own engine)
+  vllm-bf16    vLLM in bfloat16 (`backend=vllm backend.precision=bf16`), with `--vllm` where bf16 runs natively
 Sizes: questions x G completions x new tokens; by default the training default (8 x 8, 32 new tokens) and
 GSM8K-length completions (256 new tokens), with G = 8 and 16. Arms are interleaved and rotated per repeat.
 Tokens per second counts the completion tokens returned (EOS included).
@@ -33,7 +34,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--sizes", nargs="*", default=SIZES, metavar="QxGxT",
                    help="questions x completions per question x new tokens")
-    p.add_argument("--arms", nargs="+", choices=["hf-generate", "hf-gpo", *PRECISION_ARMS, "vllm"],
+    p.add_argument("--arms", nargs="+", choices=["hf-generate", "hf-gpo", *PRECISION_ARMS, *VLLM_ARMS],
                    help="time only these (default: the hf paths at every precision this machine runs, and vllm "
                         "with --vllm)")
     p.add_argument("--repeats", type=int, default=3)
@@ -43,8 +44,9 @@ def main() -> None:
 
     from gpo import registry
     from gpo.backends.hf import HFBackend, HFConfig
-    from gpo.backends.precision import runnable, this_machine
+    from gpo.backends.precision import runnable
     from gpo.generation import encode_prompts
+    from gpo.hardware import this_machine
     from gpo.types import Sampling
 
     eng = engine(f"model.path={args.model}", "task=arith", *args.set)
@@ -55,9 +57,11 @@ def main() -> None:
     for name, precision in PRECISION_ARMS.items():  # the copy is made in the warm-up round, which is not timed
         if precision in here or (args.arms and name in args.arms):
             backends[name] = HFBackend(HFConfig(precision=precision), eng.policy, eng.tokenizer)
-    if args.vllm or (args.arms and "vllm" in args.arms):
-        entry = registry.get("backend", "vllm")
-        backends["vllm"] = entry.build(entry.config(), model=eng.policy, tokenizer=eng.tokenizer)
+    entry = registry.get("backend", "vllm")
+    for name, vllm_precision in VLLM_ARMS.items():
+        if (args.arms and name in args.arms) or (not args.arms and args.vllm and vllm_precision in ("auto", *here)):
+            backends[name] = entry.build(entry.config(precision=vllm_precision), model=eng.policy,
+                                         tokenizer=eng.tokenizer)
     backends = {name: b for name, b in backends.items() if not args.arms or name in args.arms}
     questions = eng.questions.take(max(int(s.split("x")[0]) for s in args.sizes))
     prompts_all = encode_prompts(eng.tokenizer, [eng.task.prompt(q) for q in questions], 256)
@@ -80,7 +84,7 @@ def main() -> None:
                     speed[name].append(sum(len(x) for x in out) / dt)
                     seconds[name].append(dt)
         for name in names:
-            ratios = [_ratio(speed, name, base) for base in ("hf-generate", "hf-gpo")]
+            ratios = [_ratio(speed, name, base) for base in ("hf-generate", "hf-gpo", "vllm")]
             rows.append([size, name, spread(seconds[name]), spread(speed[name]), *ratios])
         profile_rows.append([size, *_decode_step_profile(eng.policy, prompts, group, args.repeats)])
         print(table(HEADERS, rows), flush=True)
@@ -98,7 +102,8 @@ def main() -> None:
 
 SIZES = ["8x8x32", "8x16x32", "8x8x256", "8x16x256"]
 PRECISION_ARMS: dict[str, Literal["bf16", "int8"]] = {"hf-gpo-bf16": "bf16", "hf-gpo-int8": "int8"}
-HEADERS = ["Q x G x new tokens", "arm", "seconds", "tokens/s", "x hf-generate", "x hf-gpo"]
+VLLM_ARMS: dict[str, Literal["auto", "bf16"]] = {"vllm": "auto", "vllm-bf16": "bf16"}
+HEADERS = ["Q x G x new tokens", "arm", "seconds", "tokens/s", "x hf-generate", "x hf-gpo", "x vllm"]
 PROFILE_HEADERS = ["Q x G x new tokens", "rows", "model forward", "softmax + multinomial",
                    "one-level inverse CDF", "two-level inverse CDF (gpo)"]
 

@@ -88,7 +88,7 @@ cppo = ["algo=grpo", "pruner=topk", "pruner.rate=0.75", "allocator=dynamic"]
 # mismatch correction; vllm-fp8: vLLM's online fp8 generator (only with vLLM and a CUDA device).
 low = ["model.dtype=float32", "engine.mixed_precision=bf16", "correction=tis"]
 runs = {"grpo": ["algo=grpo", "pruner=none", "allocator=static"], "cppo": cppo}
-from gpo.backends.precision import this_machine
+from gpo.hardware import this_machine
 
 if this_machine().bf16:  # every bf16 GPU; in smoke mode, CPUs with native bf16 only
     runs["precision"] = [*cppo, *low, "backend.precision=bf16"]

@@ -35,7 +35,8 @@ def main() -> None:
     args = p.parse_args()
 
     from gpo.backends.hf import HFBackend, HFConfig
-    from gpo.backends.precision import runnable, this_machine
+    from gpo.backends.precision import runnable
+    from gpo.hardware import this_machine
 
     eng = engine(f"model.path={args.model}", "train.steps=1000", *args.set)
     freeze_weights(eng)

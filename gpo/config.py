@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import sys
 import typing
 from collections.abc import Mapping, Sequence
@@ -179,9 +178,6 @@ def validate(raw: Mapping[str, Any], notes: list[str] | None = None) -> RunConfi
     return cfg
 
 
-AUTO_PRECISION_ENV = "GPO_AUTO_PRECISION"  # pins what the `auto` precisions resolve to, on every machine
-
-
 def _resolve_auto_precision(cfg: RunConfig) -> tuple[RunConfig, str | None]:
     """engine.mixed_precision=auto and backend=hf's backend.precision=auto (the defaults) as this machine's
     fastest precision that trains as well as float32: bf16 rollouts and updates where bfloat16 runs natively,
@@ -190,37 +186,18 @@ def _resolve_auto_precision(cfg: RunConfig) -> tuple[RunConfig, str | None]:
     rollout = cfg.backend.name == "hf" and getattr(cfg.backend.config, "precision", None) == "auto"
     if not (mixed or rollout):
         return cfg, None
-    pick, why = _auto_precision(cfg.model.dtype)
+    from gpo.hardware import auto_precision, mixed_precision
+
+    pick, why = auto_precision(cfg.model.dtype)
     engine, backend, chosen = cfg.engine, cfg.backend, []
     if mixed:
-        engine = dataclasses.replace(engine, mixed_precision="bf16" if pick == "bf16" else "no")
+        engine = dataclasses.replace(engine, mixed_precision=mixed_precision("auto", cfg.model.dtype))
         chosen.append(f"engine.mixed_precision={engine.mixed_precision}")
     if rollout:
         backend = dataclasses.replace(backend, config=dataclasses.replace(backend.config, precision=pick))
         chosen.append(f"backend.precision={pick}")
     note = f"precision auto: {' '.join(chosen)} ({why})." if why else None  # a pin by the environment is not said
     return dataclasses.replace(cfg, engine=engine, backend=backend), note
-
-
-def _auto_precision(dtype: str) -> tuple[str, str]:
-    """(bf16 or float32, why) for the `auto` precisions of a policy loaded in `dtype`; why is empty when the
-    environment pins them."""
-    if dtype != "float32":  # no float32 master weights to keep: the policy trains and samples in its own dtype
-        return "float32", f"model.dtype={dtype}: the policy trains and samples in its own dtype"
-    pinned = os.environ.get(AUTO_PRECISION_ENV, "").strip()
-    if pinned:
-        if pinned not in ("float32", "bf16"):
-            raise UserError(f"{AUTO_PRECISION_ENV}={pinned}: it pins what the `auto` precisions mean, float32 or bf16 "
-                            f"(unset: from this machine).")
-        return pinned, ""
-    from gpo.backends.precision import this_machine
-
-    machine = this_machine()
-    device = "CUDA GPU" if machine.cuda else "CPU"
-    if machine.bf16_instructions:
-        return "bf16", f"this {device} multiplies bfloat16 natively; float32: engine.mixed_precision=no " \
-                       f"backend.precision=float32"
-    return "float32", f"this {device} has no bfloat16 instructions"
 
 
 def component(kind: str, name: str, **values: Any) -> Component:

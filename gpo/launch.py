@@ -18,6 +18,7 @@ import torch
 
 from gpo.distributed import PeerLost, free_port
 from gpo.errors import UserError, print_user_error
+from gpo.hardware import mixed_precision
 from gpo.run_config import EngineConfig, RunConfig
 
 
@@ -39,7 +40,7 @@ def command(engine: EngineConfig, gpo_args: list[str]) -> tuple[list[str], dict[
         raise UserError(f"engine.num_processes={n} asks for one process per GPU, but only "
                         f"{torch.cuda.device_count()} GPU(s) are visible.")
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1",
-              "--mixed_precision", engine.mixed_precision, "--dynamo_backend", "no",
+              "--mixed_precision", mixed_precision(engine.mixed_precision), "--dynamo_backend", "no",
               "--main_process_port", str(free_port())]
     if engine.deepspeed_stage:
         launch += ["--use_deepspeed", "--zero_stage", str(engine.deepspeed_stage)]

@@ -29,6 +29,7 @@ saves a model (see `defer_deepspeed_import`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import sys
@@ -39,6 +40,7 @@ import torch
 from torch import nn
 
 from gpo.errors import UserError
+from gpo.hardware import mixed_precision
 from gpo.run_config import EngineConfig, OptimConfig, TrainConfig
 
 
@@ -53,14 +55,15 @@ def deepspeed_config(engine: EngineConfig, train: TrainConfig, optim: OptimConfi
     if engine.deepspeed_stage == 3:
         # save_model gathers the full weights through accelerator.get_state_dict.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    precision = mixed_precision(engine.mixed_precision)
     return {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": 1,
         "train_batch_size": train.micro_batch_size * world_size,
         "gradient_clipping": optim.max_grad_norm,
         "zero_optimization": zero,
-        "bf16": {"enabled": engine.mixed_precision == "bf16"},
-        "fp16": {"enabled": engine.mixed_precision == "fp16"},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
         # gpo's own AdamW (torch) as the client optimizer, also when the optimizer state is offloaded.
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
@@ -114,6 +117,8 @@ def build_accelerator(engine: EngineConfig, train: TrainConfig, optim: OptimConf
 
     AcceleratorState._reset_state(reset_partial_state=False)
 
+    # An EngineConfig built by hand (not composed) may still say `auto`: resolved here for Accelerate as well.
+    engine = dataclasses.replace(engine, mixed_precision=mixed_precision(engine.mixed_precision))
     cpu = not torch.cuda.is_available()  # stage, precision and offload are checked when composing (EngineConfig)
     # A peer that hangs fails the others' next collective after this long instead of torch's 30 minutes.
     timeout = datetime.timedelta(seconds=engine.collective_timeout_s)

@@ -79,7 +79,8 @@ def check_backend(cfg: RunConfig) -> None:
     precision other than auto / float32 is checked against this machine first (torch is imported only then)."""
     precision = getattr(cfg.backend.config, "precision", "auto")
     if cfg.backend.name in ("hf", "vllm") and precision not in ("auto", "float32"):
-        from gpo.backends.precision import refusal, this_machine
+        from gpo.backends.precision import refusal
+        from gpo.hardware import this_machine
 
         why = refusal(cfg.backend.name, precision, this_machine())
         if why:

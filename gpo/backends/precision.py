@@ -17,16 +17,15 @@ float32. torch is already a dependency, so int8 needs no extra.
 
 from __future__ import annotations
 
-import platform
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from gpo.hardware import Machine
 from gpo.models import has_adapter, plain_weights
 from gpo.parallel import full_parameters
 
@@ -35,36 +34,6 @@ from gpo.parallel import full_parameters
 HF_PRECISIONS = ("auto", "float32", "bf16", "int8")
 VLLM_PRECISIONS = ("auto", "float32", "bf16", "fp16", "fp8")
 POLICY_ITSELF = ("auto", "float32")  # hf precisions that generate with the training model itself
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the device generation runs on can do."""
-
-    cuda: bool
-    bf16: bool  # native bfloat16 matmuls: a CUDA GPU that supports them, or a CPU oneDNN runs them natively on
-    dynamic_int8: bool  # torch's dynamic int8 Linear: CPU only, a quantized engine in this torch build
-    # bf16 instructions of their own (x86: AVX-512 BF16 or AMX): where the `auto` precisions pick bf16. Plain
-    # AVX-512 runs bf16 through conversions, with no measured gain over float32.
-    bf16_instructions: bool = False
-
-
-def this_machine() -> Machine:
-    cuda = torch.cuda.is_available()
-    if cuda:
-        bf16 = instructions = torch.cuda.is_bf16_supported()
-    else:  # AVX-512 (with or without its BF16 extension), AMX or Arm BF16; on AVX2 bfloat16 is emulated and slow
-        bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-        instructions = bf16 and (not x86 or _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported"))
-    engines = set(torch.backends.quantized.supported_engines) - {"none"}
-    int8 = not cuda and bool(engines) and hasattr(torch.ao.quantization, "quantize_dynamic")
-    return Machine(cuda=cuda, bf16=bf16, dynamic_int8=int8, bf16_instructions=instructions)
-
-
-def _cpu_has(probe: str) -> bool:
-    """torch.cpu's feature probe `probe`, False where this torch lacks it."""
-    return bool(getattr(torch.cpu, probe, lambda: False)())
 
 
 def runnable(backend: str, machine: Machine) -> tuple[str, ...]:

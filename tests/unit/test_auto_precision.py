@@ -6,27 +6,26 @@ from __future__ import annotations
 
 import pytest
 
-from gpo import cli, config
-from gpo.backends import precision
+from gpo import cli, config, hardware
 from gpo.config import as_layer, compose
 from gpo.errors import UserError
 
-AMX = precision.Machine(cuda=False, bf16=True, dynamic_int8=True, bf16_instructions=True)
-AVX512 = precision.Machine(cuda=False, bf16=True, dynamic_int8=True, bf16_instructions=False)  # bf16 by conversion
-AVX2 = precision.Machine(cuda=False, bf16=False, dynamic_int8=True)
-H100 = precision.Machine(cuda=True, bf16=True, dynamic_int8=False, bf16_instructions=True)
-V100 = precision.Machine(cuda=True, bf16=False, dynamic_int8=False)
+AMX = hardware.Machine(cuda=False, bf16=True, dynamic_int8=True, bf16_instructions=True)
+AVX512 = hardware.Machine(cuda=False, bf16=True, dynamic_int8=True, bf16_instructions=False)  # bf16 by conversion
+AVX2 = hardware.Machine(cuda=False, bf16=False, dynamic_int8=True)
+H100 = hardware.Machine(cuda=True, bf16=True, dynamic_int8=False, bf16_instructions=True)
+V100 = hardware.Machine(cuda=True, bf16=False, dynamic_int8=False)
 BASE = ["tracker=none", "backend=hf"]
 
 
 @pytest.fixture
 def on(monkeypatch):
     """Compose as on `machine`, with the suite's pin lifted and the once-per-process notes forgotten."""
-    monkeypatch.delenv(config.AUTO_PRECISION_ENV, raising=False)
+    monkeypatch.delenv(hardware.AUTO_PRECISION_ENV, raising=False)
     monkeypatch.setattr(config, "_said", set())
 
-    def machine(m: precision.Machine) -> None:
-        monkeypatch.setattr(precision, "this_machine", lambda: m)
+    def machine(m: hardware.Machine) -> None:
+        monkeypatch.setattr(hardware, "this_machine", lambda: m)
     return machine
 
 
@@ -90,13 +89,13 @@ def test_a_resolved_config_composes_back_to_itself_on_another_machine(on):
 
 def test_the_environment_pins_auto_on_every_machine(on, monkeypatch, capsys):
     on(AMX)
-    monkeypatch.setenv(config.AUTO_PRECISION_ENV, "float32")
+    monkeypatch.setenv(hardware.AUTO_PRECISION_ENV, "float32")
     assert precisions(compose(BASE)) == ("no", "float32")
     assert "precision auto" not in capsys.readouterr().err  # the pin is the user's own: nothing to say
     on(AVX2)
-    monkeypatch.setenv(config.AUTO_PRECISION_ENV, "bf16")
+    monkeypatch.setenv(hardware.AUTO_PRECISION_ENV, "bf16")
     assert precisions(compose(BASE)) == ("bf16", "bf16")
-    monkeypatch.setenv(config.AUTO_PRECISION_ENV, "fp8")
+    monkeypatch.setenv(hardware.AUTO_PRECISION_ENV, "fp8")
     with pytest.raises(UserError, match="GPO_AUTO_PRECISION=fp8: it pins what the `auto` precisions mean, float32 "
                                         "or bf16"):
         compose(BASE)
@@ -105,5 +104,23 @@ def test_the_environment_pins_auto_on_every_machine(on, monkeypatch, capsys):
 def test_the_suite_runs_with_auto_pinned_to_float32():
     import os
 
-    assert os.environ[config.AUTO_PRECISION_ENV] == "float32"
+    assert os.environ[hardware.AUTO_PRECISION_ENV] == "float32"
     assert precisions(compose(BASE)) == ("no", "float32")
+
+
+def test_an_engine_config_built_by_hand_resolves_auto_where_it_is_used(on):
+    from gpo import launch
+    from gpo.parallel import deepspeed_config
+    from gpo.run_config import EngineConfig, OptimConfig, TrainConfig
+
+    def launched_with() -> str:
+        cmd, _ = launch.command(EngineConfig(num_processes=2), [])
+        return cmd[cmd.index("--mixed_precision") + 1]
+
+    def deepspeed_bf16() -> bool:
+        return deepspeed_config(EngineConfig(deepspeed_stage=2), TrainConfig(), OptimConfig(), 2)["bf16"]["enabled"]
+
+    on(AMX)
+    assert launched_with() == "bf16" and deepspeed_bf16() and hardware.mixed_precision("auto", "bfloat16") == "no"
+    on(AVX2)
+    assert launched_with() == "no" and not deepspeed_bf16() and hardware.mixed_precision("fp16") == "fp16"

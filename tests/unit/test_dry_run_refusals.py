@@ -280,9 +280,9 @@ def test_a_good_config_passes_dry_run_and_config(capsys, tmp_path):
     (["backend.precision=int8"], dict(cuda=True, bf16=True, dynamic_int8=False), "runs on CPU only"),
 ])
 def test_a_precision_this_machine_cannot_run_is_refused(capsys, monkeypatch, args, machine, says):
-    from gpo.backends import precision
+    from gpo import hardware
 
-    monkeypatch.setattr(precision, "this_machine", lambda: precision.Machine(**machine))
+    monkeypatch.setattr(hardware, "this_machine", lambda: hardware.Machine(**machine))
     assert says in refused(capsys, *QUICK, *args)
 
 

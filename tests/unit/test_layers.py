@@ -22,7 +22,8 @@ COMPONENT_PACKAGES = ("gpo.algorithms", "gpo.selectors", "gpo.pruners", "gpo.all
 # Lowest first. A module named here, or inside a package named here, sits in that layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("gpo", "gpo.errors", "gpo.schema", "gpo.types", "gpo.run_config", "gpo.configs")),
-    ("core", ("gpo.registry", "gpo.ops", "gpo.quota", "gpo.logprobs", "gpo.step_math", "gpo.rollout_phases")),
+    ("core", ("gpo.registry", "gpo.hardware", "gpo.ops", "gpo.quota", "gpo.logprobs", "gpo.step_math",
+              "gpo.rollout_phases")),
     ("components", COMPONENT_PACKAGES),
     ("parts", ("gpo.config", "gpo.preflight", "gpo.build", "gpo.backends", "gpo.tracking", "gpo.tracking_store",
                "gpo.models", "gpo.parallel", "gpo.distributed", "gpo.decoding", "gpo.generation", "gpo.checkpoint",

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from gpo.backends.hf import HFBackend, HFConfig
-from gpo.backends.precision import GeneratorCopy, Machine, quantize_weight, refusal, runnable, vllm_settings
+from gpo.backends.precision import GeneratorCopy, quantize_weight, refusal, runnable, vllm_settings
 from gpo.decoding import sampled_logprob
+from gpo.hardware import Machine
 from gpo.models import plain_weights
 from gpo.types import Sampling
 

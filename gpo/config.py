@@ -179,16 +179,20 @@ def validate(raw: Mapping[str, Any], notes: list[str] | None = None) -> RunConfi
 
 
 def _resolve_auto_precision(cfg: RunConfig) -> tuple[RunConfig, str | None]:
-    """engine.mixed_precision=auto and backend=hf's backend.precision=auto (the defaults) as this machine's
-    fastest precision that trains as well as float32: bf16 rollouts and updates where bfloat16 runs natively,
-    float32 elsewhere (the measurements are in docs/precision.md). vLLM's own `auto` is left to the backend."""
+    """engine.mixed_precision=auto and backend.precision=auto (the defaults) as this machine's fastest precision
+    that trains as well as float32: bf16 rollouts and updates where bfloat16 runs natively, float32 elsewhere (the
+    measurements are in docs/precision.md). Where the pick is float32, vLLM keeps its own `auto` (float32 on CPU,
+    the policy's dtype on GPU)."""
     mixed = cfg.engine.mixed_precision == "auto"
-    rollout = cfg.backend.name == "hf" and getattr(cfg.backend.config, "precision", None) == "auto"
+    rollout = cfg.backend.name in ("hf", "vllm") and getattr(cfg.backend.config, "precision", None) == "auto"
     if not (mixed or rollout):
         return cfg, None
     from gpo.hardware import auto_precision, mixed_precision
 
     pick, why = auto_precision(cfg.model.dtype)
+    rollout = rollout and (cfg.backend.name == "hf" or pick == "bf16")
+    if not (mixed or rollout):
+        return cfg, None
     engine, backend, chosen = cfg.engine, cfg.backend, []
     if mixed:
         engine = dataclasses.replace(engine, mixed_precision=mixed_precision("auto", cfg.model.dtype))

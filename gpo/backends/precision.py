@@ -64,14 +64,12 @@ def refusal(backend: str, precision: str, machine: Machine) -> str | None:
     return f"backend.precision={precision}: {why}; backend={backend} runs {runs} on this machine."
 
 
-def vllm_settings(precision: str, on_gpu: bool, policy_dtype: torch.dtype, gpu_bf16: bool = True) -> dict[str, Any]:
+def vllm_settings(precision: str, on_gpu: bool, policy_dtype: torch.dtype) -> dict[str, Any]:
     """vLLM's `dtype` and `quantization` for a precision. fp8 is vLLM's online quantisation (weights cast to fp8
-    when loaded, activations scaled per call), over bfloat16. `auto` on a GPU is its native bfloat16 (a float32
-    policy trains with float32 master weights; the mismatch correction covers the difference) where it has bf16,
-    else the policy's dtype; on CPU float32."""
+    when loaded, activations scaled per call), over bfloat16. `auto` reaches here only where the config did not
+    resolve it to bf16 (gpo.config): float32 on CPU, the policy's dtype on GPU."""
     if precision == "auto":
-        native = on_gpu and gpu_bf16 and policy_dtype in (torch.float32, torch.bfloat16)
-        dtype = "bfloat16" if native else str(policy_dtype).removeprefix("torch.") if on_gpu else "float32"
+        dtype = str(policy_dtype).removeprefix("torch.") if on_gpu else "float32"
         return {"dtype": dtype, "quantization": None}
     dtypes = {"float32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
     return {"dtype": dtypes[precision], "quantization": "fp8" if precision == "fp8" else None}

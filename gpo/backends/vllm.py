@@ -98,8 +98,7 @@ class VLLMBackend:
         return vllm.LLM(
             model=path,
             tokenizer=path,
-            **vllm_settings(cfg.precision, on_gpu, next(self.model.parameters()).dtype,
-                            gpu_bf16=on_gpu and torch.cuda.is_bf16_supported()),
+            **vllm_settings(cfg.precision, on_gpu, next(self.model.parameters()).dtype),
             seed=cfg.seed,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30),

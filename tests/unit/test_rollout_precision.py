@@ -210,12 +210,3 @@ def test_refusals_name_the_key_and_what_runs(backend, precision, machine, says):
 def test_vllm_settings_per_precision(precision, on_gpu, expected):
     assert vllm_settings(precision, on_gpu, torch.bfloat16) == expected
 
-
-@pytest.mark.parametrize("policy_dtype, gpu_bf16, expected", [
-    (torch.float32, True, "bfloat16"),  # float32 master weights: the generator in the GPU's native bf16
-    (torch.float32, False, "float32"),  # a GPU without bf16 keeps the policy's dtype
-    (torch.float16, True, "float16"),
-])
-def test_vllm_auto_on_a_gpu_is_its_native_bf16(policy_dtype, gpu_bf16, expected):
-    assert vllm_settings("auto", True, policy_dtype, gpu_bf16=gpu_bf16)["dtype"] == expected
-    assert vllm_settings("auto", False, policy_dtype, gpu_bf16=gpu_bf16)["dtype"] == "float32"

@@ -1,7 +1,7 @@
 """What this machine computes natively (CUDA, bfloat16, torch's dynamic int8), and what the `auto` precisions
-resolve to on it: engine.mixed_precision and backend=hf's backend.precision default to `auto`, which is bf16
-where the machine has bfloat16 instructions and the weights load in float32, float32 elsewhere (docs/precision.md
-gives the measurements behind it). `GPO_AUTO_PRECISION=float32|bf16` pins `auto` on every machine."""
+resolve to on it: engine.mixed_precision and backend.precision default to `auto`, which is bf16 where the machine
+has bfloat16 instructions and the weights load in float32, float32 elsewhere (docs/precision.md gives the
+measurements behind it). `GPO_AUTO_PRECISION=float32|bf16` pins `auto` on every machine."""
 
 from __future__ import annotations
 

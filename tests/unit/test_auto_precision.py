@@ -1,6 +1,6 @@
-"""The `auto` precisions (the defaults of engine.mixed_precision and of backend=hf's backend.precision): bf16 on a
-machine with bfloat16 instructions and float32 weights, float32 elsewhere, resolved when the config is composed and
-said once. The suite pins `auto` to float32 (tests/conftest.py); these tests lift the pin."""
+"""The `auto` precisions (the defaults of engine.mixed_precision and backend.precision): bf16 on a machine with
+bfloat16 instructions and float32 weights, float32 elsewhere (vLLM's own `auto` there), resolved when the config is
+composed and said once. The suite pins `auto` to float32 (tests/conftest.py); these tests lift the pin."""
 
 from __future__ import annotations
 

@@ -209,4 +209,3 @@ def test_refusals_name_the_key_and_what_runs(backend, precision, machine, says):
 ])
 def test_vllm_settings_per_precision(precision, on_gpu, expected):
     assert vllm_settings(precision, on_gpu, torch.bfloat16) == expected
-

@@ -19,8 +19,8 @@ run: $(STAMP)
 	$(BIN)/gpo run $(ARGS)
 
 # The full suite, both tiers (tests/unit and tests/integration), after the static checks: what CI runs.
-# The static checks (mypy: minutes on a fresh checkout, one core) run beside vLLM's install (mostly download and
-# unpacking), which would otherwise wait for each other.
+# The static checks (mypy: under a minute on a fresh checkout, one core) run beside vLLM's install (mostly
+# download and unpacking), which would otherwise wait for each other.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 check $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
@@ -31,7 +31,7 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
 
 # Static checks, before the tests: ruff (lint and import order) and mypy (tools/typecheck.py: mypy over gpo as it
-# installs and over bench/, cached in .mypy_cache; a few seconds once warm, a few minutes on a fresh checkout).
+# installs and over bench/, cached in .mypy_cache; a few seconds once warm, under a minute on a fresh checkout).
 check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python tools/typecheck.py

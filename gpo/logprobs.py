@@ -124,9 +124,8 @@ class TokenLogprobs(nn.Module):
                 position_ids=position_ids_from_mask(shared_mask), past_key_values=recorded,
                 use_cache=not checkpointing,
             ).last_hidden_state  # [u, Lp, H]
-            # transformers types Cache.layers as any layer kind with optional keys; these are the RecordingLayers the
-            # prompt pass above filled.
-            prefix = Cache(layers=[PrefixLayer(layer.keys[owner], layer.values[owner])  # type: ignore[union-attr, index]
+            # Cache.layers are the RecordingLayers the prompt pass above filled.
+            prefix = Cache(layers=[PrefixLayer(layer.keys[owner], layer.values[owner])
                                    for layer in recorded.layers])
             attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [n, Lp + L]
             completion_hidden = decoder(

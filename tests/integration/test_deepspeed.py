@@ -3,6 +3,7 @@ move the parameters, and land where one plain process lands; only rank 0 saves. 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import shutil
 import sys
@@ -16,7 +17,8 @@ from gpo.config import EngineConfig, OptimConfig, TrainConfig
 from gpo.parallel import deepspeed_config
 from test_multiprocess import COMMON, finish, records, start
 
-pytest.importorskip("deepspeed")
+# find_spec, not importorskip: importing DeepSpeed costs seconds in every test worker that collects this file.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
 STEPS = [a for a in COMMON if not a.startswith("train.steps=")] + ["train.steps=2", "tracker=none"]
 

@@ -28,6 +28,8 @@ GSPO is TRL's `importance_sampling_level="sequence"` with `loss_type="grpo"`; SA
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import types
 import zlib
 from collections import defaultdict
@@ -40,10 +42,20 @@ from gpo.types import StepTotals
 from test_algorithms import build
 from test_ops import micro_batch
 
-trainer_module = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL (the `dev` extra) is not installed")
-GRPOTrainer = trainer_module.GRPOTrainer
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                                reason="TRL (the `dev` extra) is not installed")
 TOL = 1e-6
 EOS, PAD, TOKEN = 1, 0, 5
+
+
+@functools.cache
+def trl_trainers() -> tuple[type, type]:
+    """TRL's GRPOTrainer and RLOOTrainer, imported on first use: TRL imports transformers' trainer stack (seconds),
+    which a test worker that runs none of these tests should not pay while collecting."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from trl.trainer.rloo_trainer import RLOOTrainer
+
+    return GRPOTrainer, RLOOTrainer
 
 
 @pytest.fixture
@@ -54,8 +66,8 @@ def gen(request):
 
 def bare_trainer(*, group_size=4, scale_rewards="group", loss_type="grpo", beta=0.0, eps_low=0.2, eps_high=0.2,
                  max_completion_length=8, accumulation=1, world_size=1, mask_truncated=False, level="token",
-                 sapo_pos=1.0, sapo_neg=1.05, cls=GRPOTrainer):
-    t = object.__new__(cls)
+                 sapo_pos=1.0, sapo_neg=1.05, cls=None):
+    t = object.__new__(cls or trl_trainers()[0])
     t.accelerator = types.SimpleNamespace(
         device=torch.device("cpu"), process_index=0, num_processes=world_size, is_main_process=True,
         gather=lambda x: x, reduce=lambda x, reduction="sum": x, gather_for_metrics=lambda x: x,
@@ -390,11 +402,8 @@ def test_family_across_two_ranks_match_trl(gen, name, cfg, loss_type, trl_cfg, s
 
 # --- RLOO: TRL's RLOOTrainer --------------------------------------------------------------------------------------
 
-RLOOTrainer = pytest.importorskip("trl.trainer.rloo_trainer").RLOOTrainer
-
-
 def bare_rloo(group_size=4, eps_low=0.2, eps_high=0.2):
-    t = bare_trainer(group_size=group_size, eps_low=eps_low, eps_high=eps_high, cls=RLOOTrainer)
+    t = bare_trainer(group_size=group_size, eps_low=eps_low, eps_high=eps_high, cls=trl_trainers()[1])
     t.num_generations_eval, t.normalize_advantages, t.reward_clip_range = group_size, False, None
     return t
 

@@ -88,6 +88,18 @@ def _completion_length(prelim: DictConfig) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
+def _rollout_precision(prelim: DictConfig) -> str:
+    """backend.precision as the layers set it, `auto` as this machine resolves it (gpo.hardware), for backend=auto.
+    A value no backend takes is passed on as it is and refused by validation afterwards."""
+    value = OmegaConf.select(prelim, "backend.precision", default="auto")
+    if value != "auto":
+        return str(value)
+    dtype = OmegaConf.select(prelim, "model.dtype", default="float32")
+    from gpo.hardware import auto_precision
+
+    return auto_precision(str(dtype))[0]
+
+
 def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
             layers: Sequence[Mapping[str, Any]] = ()) -> RunConfig:
     """Build and validate the run config from command-line style arguments, files and in-memory layers."""
@@ -134,7 +146,7 @@ def _merged(args: Sequence[str], config_files: Sequence[str | Path],
     if picked.get("backend") == AUTO_BACKEND:
         from gpo.backends import pick_auto
 
-        picked["backend"], why = pick_auto(_completion_length(prelim))
+        picked["backend"], why = pick_auto(_completion_length(prelim), _rollout_precision(prelim))
         auto_note = f"backend=auto picked `{picked['backend']}`: {why}."
 
     groups = OmegaConf.create({group: _group_node(group, name) for group, name in picked.items()})

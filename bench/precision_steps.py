@@ -78,7 +78,10 @@ def main() -> None:
             "within a repeat. Mismatch: |log pi_train - log pi_gen| over the trained tokens (mean / max) and the k3 "
             "estimate of KL(gen || train), where pi_train is the trainer's log-prob in its update precision. Tokens "
             "generated differ between rollout precisions: each samples from its own rounding of the policy.")
-    write_section("precision_steps", "Precision: default step by rollout and update precision", body + note, args)
+    variant = " ".join(([f"rollout {' '.join(args.rollout)}"] if args.rollout != ROLLOUT else [])
+                       + ([f"update {' '.join(args.update)}"] if args.update != UPDATE else []))
+    write_section("precision_steps", "Precision: default step by rollout and update precision", body + note, args,
+                  variant)
 
 
 if __name__ == "__main__":

@@ -543,7 +543,9 @@ def main() -> None:
                   body + note, args, variant=f"pool {args.pool}, budget {args.budget:.0f} s"
                   + ("" if args.schedule == "constant" else f", lr {args.schedule}")
                   # GRPO alone is a probe of how long a budget it needs to level off: not the comparison at it
-                  + (", grpo only" if list(arms) == ["grpo"] else ""))
+                  + (", grpo only" if list(arms) == ["grpo"] else "")
+                  # arms of the command line's own (--arm) make another comparison, kept beside the built-in one
+                  + "".join(f", arm {name}" for name in arms if name not in ARMS))
 
 
 if __name__ == "__main__":

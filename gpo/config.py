@@ -337,9 +337,6 @@ def _check_async(cfg: RunConfig) -> None:
         why = "trains under plain DDP or on one process, not under DeepSpeed (engine.deepspeed_stage=0)"
     elif cfg.engine.generator == "ray" and importlib.util.find_spec("ray") is None:
         why = "on a Ray actor (engine.generator=ray) needs Ray: pip install 'gpo[ray]' (or pip install ray)"
-    elif cfg.engine.num_processes > 1 and cfg.backend.name == "vllm":
-        why = ("with several ranks generates with gpo's decoder (backend=hf); a vLLM engine per rank's generator is "
-               "not built yet")
     elif cfg.backend.name not in ("hf", "vllm"):
         why = f"generates with backend=hf or backend=vllm; backend={cfg.backend.name} is lockstep only"
     elif getattr(cfg.backend.config, "decode", "gpo") != "gpo":

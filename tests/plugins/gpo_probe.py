@@ -56,7 +56,7 @@ def step(self):
     metrics = _step(self)
     _record("step", metrics={k: float(v) for k, v in metrics.items()})
     if not dist.is_initialized() or dist.get_rank() == 0:
-        _saved(f"version-{self.step_index}.pt", {k: v.detach().clone() for k, v in self.policy.state_dict().items()})
+        _saved(f"version-{self.step_index}.pt", self.policy.state_dict())  # serialised now: later steps leave it
     return metrics
 
 

@@ -13,6 +13,10 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from gpo.errors import UserError, print_user_error
+from gpo.run_config import KINDS
+
+# Config groups that are not component kinds: picked by name like a component, but plain sections.
+PLAIN_GROUPS = ("model", "engine", "experiment")
 
 EXAMPLES = """\
 examples:
@@ -25,11 +29,12 @@ examples:
   gpo eval model=runs/NAME/final task=gsm8k split=test limit=20
 """
 
-RUN_HELP = """\
-arguments are `group=name` picks (groups: algo, pruner, allocator, task, backend, tracker, model, engine,
-experiment) and dotted `key=value` overrides; later layers win:
+RUN_HELP = f"""\
+arguments are `group=name` picks (groups: {', '.join(KINDS + PLAIN_GROUPS)})
+and dotted `key=value` overrides; later layers win:
   configs/base.yaml < group picks < experiment=NAME < --config FILE < key=value overrides
 A `model=` value that is not a shipped model config is taken as a path, a .gguf file or a Hub name.
+`gpo list KIND` shows a kind's components and their fields (kinds: {', '.join(KINDS)}).
 """
 
 
@@ -82,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="gpo", description="GRPO-family RL training with CPPO completion pruning.", epilog=EXAMPLES,
+        prog="gpo", description="GRPO-family RL training with CPPO completion pruning.",
+        epilog=EXAMPLES + f"\ncomponent kinds (gpo list KIND): {', '.join(KINDS)}\n",
         formatter_class=fmt,
     )
     sub = parser.add_subparsers(metavar="COMMAND")
@@ -104,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     overrides(cfg)
 
     lst = command("list", _list, "list registered components, their summaries and config defaults")
-    lst.add_argument("kind", nargs="?", help="algo | pruner | allocator | task | backend | tracker")
+    lst.add_argument("kind", nargs="?", help=" | ".join(KINDS))
     lst.add_argument("args", nargs="*", metavar="plugins=[...]", help=argparse.SUPPRESS)
 
     ev = command("eval", _eval, "evaluate a model on a task (greedy, every example scored)",

@@ -9,7 +9,7 @@ numerator is local, its denominator comes from `StepTotals`, counted over the wh
 same whatever the micro-batch size or the number of ranks. (DDP averages gradients over ranks; the engine undoes
 that average, so that shares add up.)
 
-Conventions that differ between peers and are chosen here on purpose (tested in tests/test_trl_equivalence.py):
+Conventions that differ between peers and are chosen here on purpose (tested in tests/unit/test_trl_equivalence.py):
 - advantages: (r - mean) / (std + eps), with a Bessel-corrected std, as in TRL. TRL's eps is 1e-4, verl's 1e-6.
   The eps is a parameter; each objective picks its paper's code value. A group whose rewards are all equal gets
   exactly 0. TRL would give a rounding residue there, such as 1e-13.
@@ -19,7 +19,7 @@ Conventions that differ between peers and are chosen here on purpose (tested in 
 - constant normaliser (Dr.GRPO): sum / (totals.sequences * normaliser). TRL's `dr_grpo` divides by
   (micro-batch rows * max_completion_length), which agrees when all micro-batches have the same number of rows.
 - batch whitening (REINFORCE++): over the B*G sequences. verl's `masked_whiten` runs over tokens, so a sequence
-  weighs as many times as it has tokens (tests/test_objectives_family.py).
+  weighs as many times as it has tokens (tests/unit/test_objectives_family.py).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ entry points, no traceback), are in tests/integration/test_cli_processes.py.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -30,6 +32,22 @@ def test_run_help_explains_the_layer_order(capsys):
     assert "configs/base.yaml < group picks < experiment=NAME < --config FILE < key=value overrides" in (
         capsys.readouterr().out
     )
+
+
+def test_help_lists_every_kind_and_every_config_group(capsys):
+    """The kinds come from the registry's list and the groups from the shipped config folders, so a new kind
+    or group cannot be left out of the help."""
+    from gpo.config import CONFIG_ROOT
+    from gpo.run_config import KINDS
+
+    groups = sorted(p.name for p in CONFIG_ROOT.iterdir() if p.is_dir() and not p.name.startswith("_"))
+    assert {"selector", "correction"} <= set(KINDS) <= set(groups)
+    for argv, expected in ((["--help"], KINDS), (["run", "--help"], groups), (["list", "--help"], KINDS)):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        text = " ".join(capsys.readouterr().out.split())  # argparse re-wraps help lines
+        missing = [name for name in expected if not re.search(rf"\b{name}\b", text)]
+        assert not missing, (argv, missing)
 
 
 def test_no_command_prints_help_and_exits_2(capsys):

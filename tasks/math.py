@@ -14,6 +14,18 @@ each item's time itself; a worker that overruns anyway (stuck in C code, where s
 replaced by the parent. Either way the item scores 0 and counts in `verify_timeouts`. A worker that dies (killed,
 out of memory on a huge expression) is replaced too; its item scores 0 and counts in `verify_workers_lost`.
 `verify_failures` counts every item that scored 0 because its verification did not finish.
+
+The time counted is the verifying process's CPU time (user + system), not wall time: an item's CPU time is what it
+costs whatever else the machine runs, so a right answer is not graded wrong because the cores were busy. The
+worker's own bound is a profiling timer (`ITIMER_PROF`, which counts the process's CPU time); the parent reads
+the worker's CPU time (Linux: /proc/<pid>/stat; elsewhere psutil where installed) and kills it `GRACE_S` CPU
+seconds past the limit. Where the parent cannot read it (no /proc and no psutil) only the worker's own timer and
+the wall backstop stop an item. A worker that computes nothing at all (blocked, stopped) would never reach a CPU
+bound, so the parent also kills it `WALL_FACTOR` times the CPU backstop of wall time after the item was handed
+over: generous enough that only a machine more than that many times oversubscribed could turn a right answer into
+a timeout. (The alternative, retrying a timed-out item once with a longer wall bound, doubles the cost of every
+pathological item and still depends on the load at the retry; the CPU clock is available wherever `forkserver`
+and `setitimer` are, so it is used instead.)
 """
 
 from __future__ import annotations
@@ -42,7 +54,9 @@ SYSTEM_PROMPT = (
     "Layout: <think> your reasoning </think>\n<answer> \\boxed{\\frac{1}{2}} </answer>"
 )
 CORRECT = 2.0  # the paper's accuracy value
-GRACE_S = 1.0  # the parent kills a worker this long after the worker's own limit should have stopped it
+GRACE_S = 1.0  # CPU seconds past the worker's own limit after which the parent kills it (stuck in C code)
+WALL_FACTOR = 20  # a worker is also killed after this many times its CPU backstop of wall time (blocked, stopped)
+POLL_S = 0.1  # how often the parent reads the CPU time of the workers that are busy
 STARTUP_S = 300.0  # a worker that cannot import math-verify in this time is a broken installation
 
 # Statuses a verification comes back with; every one but "ok" scores 0.
@@ -57,7 +71,9 @@ class MathConfig(StoredSplitsConfig):
     # MATH train holds two multiple-choice problems whose final answer is empty (rows 5342 and 5344 of the
     # a local copy): they are left out with a warning rather than refuse to train.
     bad_rows: BadRows = "skip"
-    verify_timeout_s: Positive = 5.0  # wall-time bound for verifying one completion (math-verify's default)
+    # CPU seconds the verifying process may spend on one completion (math-verify's default 5, which it counts in
+    # wall time): a busy machine slows verification down without failing it (module docstring).
+    verify_timeout_s: Positive = 5.0
     workers: NonNegativeInt = 0  # verification processes; 0 = the cores this process may use
     system_prompt: str = SYSTEM_PROMPT
 
@@ -143,15 +159,19 @@ def available_cores() -> int:
 
 
 class VerifierPool:
-    """`size` processes that each verify one (gold, prediction) pair at a time within `limit_s` seconds.
+    """`size` processes that each verify one (gold, prediction) pair at a time within `limit_s` CPU seconds.
 
     Workers come from a fork server that has imported math-verify once, so replacing a killed worker is a
     cheap fork rather than a fresh interpreter (and never a fork of a parent that holds model threads).
     """
 
-    def __init__(self, size: int, limit_s: float, kill_after_s: float | None = None) -> None:
-        self.limit_s = limit_s  # each worker stops its own item after this long
-        self.kill_after_s = limit_s + GRACE_S if kill_after_s is None else kill_after_s  # the parent's backstop
+    def __init__(self, size: int, limit_s: float, kill_after_s: float | None = None,
+                 wall_after_s: float | None = None) -> None:
+        self.limit_s = limit_s  # each worker stops its own item after this much CPU time
+        # The parent's backstops: CPU seconds of the worker, and wall seconds for a worker that computes nothing.
+        self.kill_after_s = limit_s + GRACE_S if kill_after_s is None else kill_after_s
+        self.wall_after_s = WALL_FACTOR * self.kill_after_s if wall_after_s is None else wall_after_s
+        self.backstops = {"cpu": 0, "wall": 0}  # items the parent stopped, by the bound that stopped them
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(["math_verify", __name__])
         self._workers = [_Worker(self._ctx, limit_s) for _ in range(max(1, size))]
@@ -163,18 +183,20 @@ class VerifierPool:
         while queue or any(w.job is not None for w in self._workers):
             for w in self._workers:
                 if w.ready and w.job is None and queue:
-                    w.assign(queue.popleft(), jobs, self.kill_after_s)
-            busy = [w.deadline for w in self._workers if w.job is not None]
+                    w.assign(queue.popleft(), jobs)
+            busy = any(w.job is not None for w in self._workers)
             if not busy and time.monotonic() - started > STARTUP_S:
                 raise RuntimeError(f"no math-verify worker started within {STARTUP_S:.0f} s")
-            timeout = max(0.0, min(busy) - time.monotonic()) if busy else 1.0
-            for conn in wait([w.conn for w in self._workers], timeout=timeout):
+            for conn in wait([w.conn for w in self._workers], timeout=POLL_S if busy else 1.0):
                 slot = next(i for i, w in enumerate(self._workers) if w.conn is conn)
                 self._receive(slot, results)
-            now = time.monotonic()
             for slot, w in enumerate(self._workers):
-                if w.job is not None and now > w.deadline:
+                if w.job is None:
+                    continue
+                bound = w.overrun(self.kill_after_s, self.wall_after_s)
+                if bound is not None:
                     results[w.job] = (TIMEOUT, False)
+                    self.backstops[bound] += 1
                     self._replace(slot)
         return [r if r is not None else (ERROR, False) for r in results]
 
@@ -221,11 +243,23 @@ class _Worker:
         child.close()
         self.ready = False  # set when the worker has imported math-verify
         self.job: int | None = None
-        self.deadline = float("inf")
+        self.assigned_at = 0.0  # wall clock (monotonic) when the job was handed over
+        self.cpu_at_assign: float | None = None  # the worker's CPU seconds then; None where they cannot be read
 
-    def assign(self, index: int, jobs: list[tuple[str, str]], allowed_s: float) -> None:
+    def assign(self, index: int, jobs: list[tuple[str, str]]) -> None:
+        self.cpu_at_assign = process_cpu_seconds(self.process.pid)  # before the send: the item's work comes after
+        self.assigned_at = time.monotonic()
         self.conn.send(jobs[index])
-        self.job, self.deadline = index, time.monotonic() + allowed_s
+        self.job = index
+
+    def overrun(self, cpu_s: float, wall_s: float) -> str | None:
+        """The backstop the current item has passed ("cpu" or "wall"), if any."""
+        if time.monotonic() - self.assigned_at > wall_s:
+            return "wall"
+        if self.cpu_at_assign is None:  # the CPU time cannot be read here: the worker's own timer and the wall
+            return None
+        cpu = process_cpu_seconds(self.process.pid)
+        return "cpu" if cpu is not None and cpu - self.cpu_at_assign > cpu_s else None
 
     def stop(self, kill: bool) -> None:
         if self.process.is_alive():
@@ -244,15 +278,28 @@ class _Worker:
 
 
 class _ItemTimeout(BaseException):
-    """Raised by the worker's alarm; a BaseException so math-verify's `except Exception` cannot swallow it."""
+    """Raised by the worker's timer; a BaseException so math-verify's `except Exception` cannot swallow it."""
+
+
+_armed = False  # in a worker: an item is being verified, so the profiling timer's signal stops it
+
+
+def _expire(signum: int, frame: Any) -> None:
+    if _armed:  # a signal that arrives just after the item finished is dropped, not raised in the loop
+        raise _ItemTimeout
 
 
 def _serve(conn: Connection, limit_s: float) -> None:
     """Worker main loop: verify pairs until told to stop (None) or the parent goes away."""
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # it logs the whole input on a timeout
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    import math_verify  # noqa: F401  (import before "ready", so the deadline covers only verification)
+    signal.signal(signal.SIGPROF, _expire)
+    import math_verify  # noqa: F401  (import before "ready", so the bound covers only verification)
 
+    try:  # math-verify builds its parsers on first use: do it here rather than on the first item's time
+        verify_pair("1", "1")
+    except Exception:
+        pass
     conn.send("ready")
     while True:
         try:
@@ -266,22 +313,52 @@ def _serve(conn: Connection, limit_s: float) -> None:
 
 
 def _bounded(gold: str, prediction: str, limit_s: float) -> Verdict:
-    """`verify_pair` under a wall-time alarm that covers parsing both sides and comparing them."""
-
-    def expire(signum: int, frame: Any) -> None:
-        raise _ItemTimeout
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    """`verify_pair` under a CPU-time timer that covers parsing both sides and comparing them."""
+    global _armed
     try:
-        return verify_pair(gold, prediction)
+        _armed = True
+        signal.setitimer(signal.ITIMER_PROF, limit_s)  # counts this process's user + system CPU time
+        try:
+            return verify_pair(gold, prediction)
+        finally:
+            _armed = False
+            signal.setitimer(signal.ITIMER_PROF, 0)
     except _ItemTimeout:
         return (TIMEOUT, False)
     except Exception:
         return (ERROR, False)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+
+
+def process_cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds process `pid` has used; None when it cannot be read (gone, or no way here).
+
+    Linux: /proc/<pid>/stat, no dependency and cheap enough to read every `POLL_S`. Elsewhere: psutil (installed
+    with Accelerate) where importable.
+    """
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The command name (field 2) is in parentheses and may hold spaces: count the fields after it.
+            fields = f.read().rpartition(b")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime and stime, fields 14 and 15
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):  # /proc exists: the process is gone
+            return None
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return float(times.user + times.system)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def verify_pair(gold: str, prediction: str) -> Verdict:

@@ -1,17 +1,27 @@
-"""MATH: math-verify accuracy in time-bounded worker processes, format reward, real MATH-500 rows."""
+"""MATH: math-verify accuracy in CPU-time-bounded worker processes, format reward, real MATH-500 rows."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpo import registry
 from gpo.errors import UserError
-from gpo.tasks.math import TIMEOUT, Math, MathConfig, VerifierPool, predicted_answer
+from gpo.tasks.math import TIMEOUT, Math, MathConfig, VerifierPool, predicted_answer, process_cpu_seconds
+from kit import crowded_core
 
-LIMIT_S = 1.0  # per-item verification limit in these tests (the default is 5 s)
+# Per-item CPU seconds in these tests (the default is 5). The costliest pair of the table below takes about 0.4 CPU s
+# (the costliest right one 0.2) on a 2020s x86 core: 2 leaves room for a CPU several times slower.
+LIMIT_S = 2.0
+ADVERSARIAL_LIMIT_S = 0.5  # the adversarial test's one right answer ("3") costs about 0.01 CPU s
+HANG_S = 600.0  # a wall bound that only stops a broken test
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +127,22 @@ def test_math_verify_equivalences(task: Math) -> None:
     assert rewards.metrics["verify_timeouts"] == 0
 
 
+def test_equivalence_verdicts_do_not_depend_on_the_load(task: Math, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole table again, each worker given at most a fifth of one core: the same verdicts and no timeouts, since
+    the bound counts the workers' CPU time (a wall-time bound of LIMIT_S would be overrun on the costliest pairs)."""
+    examples = [{"gold": gold} for gold, _, _ in EQUIVALENCE]
+    task.reward([boxed("1")], [{"gold": "1"}])  # the pool is up, so its workers can be crowded
+    workers = [pid for pid in task._pool.worker_pids() if pid is not None]
+    fork_server = psutil.Process(workers[0]).ppid()  # replacements would fork from it, onto the crowded core too
+    monkeypatch.setattr(task._pool, "wall_after_s", HANG_S)  # the wall backstop only stops a broken test here
+    with crowded_core([*workers, fork_server]):
+        rewards = task.reward([boxed(p) for _, p, _ in EQUIVALENCE], examples)
+    wrong = [(g, p, want) for (g, p, want), acc in zip(EQUIVALENCE, rewards.components["accuracy"])
+             if (acc == 2.0) is not want]
+    assert wrong == []
+    assert rewards.metrics["verify_failures"] == 0 and task._pool.backstops == {"cpu": 0, "wall": 0}
+
+
 def test_prediction_extraction() -> None:
     assert predicted_answer("<answer>so \\boxed{1} no \\boxed{2}</answer>") == "2"
     assert predicted_answer("<answer> 7 </answer>") == "7"  # a bare answer tag is taken whole
@@ -178,29 +204,59 @@ ADVERSARIAL = [
 ]
 
 
-def test_adversarial_completions_finish_within_the_limit(task: Math) -> None:
-    task.reward([boxed("1")], [{"gold": "1"}])  # workers started before the clock starts
-    start = time.perf_counter()
-    rewards = task.reward(ADVERSARIAL + [boxed("3")], [{"gold": "3"}] * (len(ADVERSARIAL) + 1))
-    elapsed = time.perf_counter() - start
-    # 6 items at most (1 s limit + 1 s kill grace) each, on 2 workers = 6 s; replacements fork in well under 1 s.
-    assert elapsed < 12.0
-    assert rewards.components["accuracy"] == [0.0] * len(ADVERSARIAL) + [2.0]
-    assert rewards.metrics["verify_timeouts"] >= 1  # at least the 100 KB of braces hits the limit
+def test_adversarial_completions_are_stopped_and_counted() -> None:
+    task = Math(MathConfig(workers=2, verify_timeout_s=ADVERSARIAL_LIMIT_S))
+    try:
+        rewards = task.reward(ADVERSARIAL + [boxed("3")], [{"gold": "3"}] * (len(ADVERSARIAL) + 1))
+        assert rewards.components["accuracy"] == [0.0] * len(ADVERSARIAL) + [2.0]
+        assert rewards.metrics["verify_timeouts"] >= 1  # at least the 100 KB of braces overruns the limit
+        assert rewards.metrics["verify_failures"] == rewards.metrics["verify_timeouts"]  # none lost or raising
+        braces = task.reward([ADVERSARIAL[0]], [{"gold": "1"}])
+        assert braces.metrics["verify_timeouts"] == 1 and braces.components["accuracy"] == [0.0]
+    finally:
+        task.close()
 
 
-def test_parent_kills_and_replaces_a_worker_that_overruns() -> None:
-    # The worker's own alarm is set far off (60 s), so only the parent's 1 s backstop can stop the item.
-    pool = VerifierPool(size=1, limit_s=60.0, kill_after_s=1.0)
+def test_parent_kills_and_replaces_a_worker_that_overruns_its_cpu_time() -> None:
+    # The worker's own timer is set far off (60 CPU s) and the wall backstop further, so only the parent's reading of
+    # the worker's CPU time (1 s) can stop the item.
+    pool = VerifierPool(size=1, limit_s=60.0, kill_after_s=1.0, wall_after_s=HANG_S)
     try:
         first = pool.worker_pids()
-        start = time.perf_counter()
         verdicts = pool.run([("1", "{" * 50_000 + "}" * 50_000), ("1", "1")])
-        assert time.perf_counter() - start < 10.0
         assert verdicts == [(TIMEOUT, False), ("ok", True)]  # the replacement verifies the next item
+        assert pool.backstops == {"cpu": 1, "wall": 0}
         assert pool.worker_pids() != first
     finally:
         pool.close()
+
+
+def test_a_worker_that_computes_nothing_is_stopped_by_the_wall_backstop() -> None:
+    # A stopped process uses no CPU, so no CPU bound can ever stop its item: only the wall backstop (1 s here).
+    pool = VerifierPool(size=1, limit_s=60.0, kill_after_s=60.0, wall_after_s=1.0)
+    try:
+        assert pool.run([("1", "1")]) == [("ok", True)]  # the worker is up and idle
+        (stopped,) = pool.worker_pids()
+        assert stopped is not None
+        os.kill(stopped, signal.SIGSTOP)
+        assert pool.run([("2", "2"), ("3", "3")]) == [(TIMEOUT, False), ("ok", True)]
+        assert pool.backstops == {"cpu": 0, "wall": 1}
+        assert pool.worker_pids() != [stopped]
+    finally:
+        pool.close()
+
+
+def test_a_process_cpu_time_is_read_from_outside_and_a_gone_process_reads_none() -> None:
+    before = process_cpu_seconds(os.getpid())
+    start = time.thread_time()
+    while time.thread_time() - start < 0.3:  # 0.3 s of this thread's CPU time, however long that takes
+        pass
+    after = process_cpu_seconds(os.getpid())
+    assert before is not None and after is not None
+    assert after - before >= 0.3 - 0.02  # the process's time holds this thread's (to a clock tick either side)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process now (Linux hands pids out in order, so none new)
+    assert process_cpu_seconds(gone.pid) is None
 
 
 def test_bad_config() -> None:
@@ -226,10 +282,7 @@ def test_close_stops_the_verification_workers_and_twice_is_harmless() -> None:
     assert task.reward([boxed("2")], [{"gold": "2"}]).components["accuracy"] == [2.0]  # starts the pool
     pids = task._pool.worker_pids()
     assert len(pids) == 2 and all(_running(pid) for pid in pids)
-    task.close()
-    deadline = time.monotonic() + 5.0
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    task.close()  # joins each worker (killing one that does not stop when asked)
     assert not any(_running(pid) for pid in pids)
     task.close()  # nothing left to stop: a no-op
     # A task used after close() starts new workers rather than failing.

@@ -5,7 +5,7 @@ An objective is built from these parts (the methods of `gpo.types.Objective`, wh
 
     part            GRPO's (the default here)              replaced by
     shape_rewards   the rewards unchanged                  dapo (soft overlong penalty)
-    group_filter    keep every group                       dapo (dynamic sampling)
+    group_filter    every group trains                     dapo (dynamic sampling)
     advantages      (r - group mean) / (group std + eps)   dr_grpo, rloo, reinforce_pp
     loss_mask       the completion mask                    dapo (optionally without truncated rows)
     surrogate       PPO's clipped ratio per token          gspo, cispo, sapo, gmpo, rloo
@@ -25,15 +25,16 @@ annotation when it does (the annotation carries the range the composer checks).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from gpo import ops
 from gpo.schema import Gt, NonNegative, Positive, Rate
-from gpo.types import RolloutBatch, StepTotals
+from gpo.types import RolloutBatch, StepTotals, loss_mask_of
 
 DualClip = Annotated[float, Gt(1)]  # the cap -A*c, c > 1: with c <= 1 even on-policy tokens (ratio 1) were capped
 
@@ -46,6 +47,13 @@ class ObjectiveConfig:
     beta: NonNegative = 0.04  # KL coefficient (GRPO paper: 0.04); 0 loads no reference model at all
     kl_estimator: ops.KLEstimator = "k3"  # k1 | k2 | k3 (GRPO's unbiased estimator); used only when beta > 0
     kl_clamp: Positive | None = None  # bound the per-token KL estimate (verl's low_var_kl: 10)
+
+    # Keys that left the objectives, and what says the same thing now (refused with it, gpo.schema).
+    MOVED_KEYS: ClassVar[Mapping[str, str]] = {
+        "is_correction": "the correction is a component of its own: `correction=tis correction.level=token` (or "
+                         "sequence; `correction=none` for the old `none`, or `mis`, `icepop`)",
+        "is_cap": "the cap is `correction.cap` of `correction=tis` (the default correction)",
+    }
 
 
 @dataclass(frozen=True)
@@ -98,8 +106,8 @@ class BaseObjective:
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
         return rewards  # [B, G]
 
-    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
-        return torch.ones(rewards.shape[0], dtype=torch.bool)  # [B]: every group is kept
+    def group_filter(self, rewards: Tensor, components: dict[str, Tensor], passed: Tensor | None = None) -> Tensor:
+        return torch.ones(rewards.shape[0], dtype=torch.bool)  # [B]: every group trains
 
     def advantages(self, rewards: Tensor) -> Tensor:
         return ops.group_advantages(rewards, scale_by_std=True, eps=self.cfg.std_eps)  # [B, G]
@@ -108,4 +116,5 @@ class BaseObjective:
         return batch.completion_mask  # [N, L]
 
     def loss(self, logp: Tensor, batch: RolloutBatch, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
-        return self.policy_loss(logp, batch, self.loss_mask(batch), totals, self.aggregate)
+        # the step's mask (filled once from loss_mask), not a fresh call per micro-batch
+        return self.policy_loss(logp, batch, loss_mask_of(self, batch), totals, self.aggregate)

@@ -8,9 +8,10 @@ Four changes relative to GRPO:
 - dynamic sampling: groups whose completions are all right or all wrong teach nothing. The paper (eq. 11,
   0 < |{correct}| < G) and its verl recipe test the *accuracy* of a group, not its shaped reward: with a format
   component or the overlong penalty an all-correct group would otherwise survive and train on format or length
-  differences alone. `filter_on=accuracy` (default) drops groups whose task `accuracy` component is constant;
-  `filter_on=total` drops groups whose shaped total is constant (the behaviour before, for tasks that report no
-  accuracy). Dropped groups are refilled by the allocator with other questions.
+  differences alone. `filter_on=accuracy` (default) drops groups whose completions all pass or all fail the task's
+  pass criterion (`gpo.types.passes` on its `accuracy` component, or the component the task names, e.g.
+  `task.pass_criterion` of `task=dataset`); `filter_on=total` drops groups whose shaped total is constant (for
+  tasks that report no pass criterion). Dropped groups are refilled by the allocator with other questions.
 - overlong reward shaping: a soft penalty in the last `buffer` tokens before the length limit, added to the
   reward. The paper prefers it to masking truncated completions, which remains available as `mask_truncated`.
 There is no KL term (beta 0), so no reference model, and no dual clip (verl's DAPO recipe sets `dual_clip: 10`).
@@ -40,7 +41,7 @@ class DAPOConfig(ObjectiveConfig, PPOClip, StdScaledAdvantages):
     beta: NonNegative = 0.0  # the paper drops the KL term
     std_eps: NonNegative = 1e-6  # verl's value (the paper's code)
     dynamic_sampling: bool = True  # drop groups with nothing to learn from (see filter_on)
-    filter_on: Literal["accuracy", "total"] = "accuracy"  # accuracy (paper, eq. 11) | total: which reward must vary
+    filter_on: Literal["accuracy", "total"] = "accuracy"  # what must vary: the pass criterion (eq. 11) | shaped total
     overlong_penalty: bool = True  # soft overlong punishment added to the reward
     overlong_buffer: PositiveInt | None = None  # tokens before the limit where the penalty ramps; null: 20% of it
     overlong_factor: NonNegative = 1.0  # penalty at the length limit
@@ -81,15 +82,20 @@ class DAPO(BaseObjective):
             return rewards
         return rewards + self.penalty(lengths).to(rewards.dtype)  # [B, G]
 
-    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
+    def group_filter(self, rewards: Tensor, components: dict[str, Tensor], passed: Tensor | None = None) -> Tensor:
         if not self.cfg.dynamic_sampling:
-            return super().group_filter(rewards, components)  # [B]
+            return super().group_filter(rewards, components, passed)  # [B]
         if self.cfg.filter_on == "total":
             return ~ops.zero_variance_groups(rewards)  # [B]
+        if passed is not None:  # the step's verdicts by the task's pass criterion: 0 < passing < G
+            return ~ops.zero_variance_groups(passed.float())  # [B]
+        # A caller without verdicts (a check of the objective alone) gets the filter as it always was: the
+        # `accuracy` component's own values must vary.
         if "accuracy" not in components:
             raise UserError(
-                f"algo.filter_on=accuracy needs the task's `accuracy` reward component, but it reports "
-                f"{sorted(components) or 'none'}; set algo.filter_on=total to filter on the shaped total reward."
+                f"algo.filter_on=accuracy needs the task's pass criterion (its `accuracy` reward component unless the "
+                f"task names another), but it reports {sorted(components) or 'none'}; set algo.filter_on=total to "
+                f"filter on the shaped total reward."
             )
         return ~ops.zero_variance_groups(components["accuracy"])  # [B]
 

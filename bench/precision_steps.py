@@ -75,9 +75,10 @@ def main() -> None:
             f"allocator={cfg.allocator.name}, B={eng.train_cfg.questions_per_step}, G={eng.train_cfg.group_size}, at "
             f"most {eng.train_cfg.max_completion_length} new tokens) with learning rate 0; one engine, one warm-up "
             f"round, then {args.repeats} repeats in an order that rotates; median (min-max), speedups paired "
-            "within a repeat. Mismatch: |log pi_train - log pi_gen| over the trained tokens (mean / max) and the k3 "
-            "estimate of KL(gen || train), where pi_train is the trainer's log-prob in its update precision. Tokens "
-            "generated differ between rollout precisions: each samples from its own rounding of the policy.")
+            "within a repeat. Mismatch: |log pi_old - log pi_generator| over the trained tokens (mean / max) and the "
+            "k3 estimate of KL(pi_generator || pi_old), where pi_old is the trainer's log-prob in its update "
+            "precision. Tokens generated differ between rollout precisions: each samples from its own rounding of "
+            "the policy.")
     variant = " ".join(([f"rollout {' '.join(args.rollout)}"] if args.rollout != ROLLOUT else [])
                        + ([f"update {' '.join(args.update)}"] if args.update != UPDATE else []))
     write_section("precision_steps", "Precision: default step by rollout and update precision", body + note, args,

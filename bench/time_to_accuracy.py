@@ -195,7 +195,7 @@ def summarise(results: dict[int, dict[str, dict]], arms: list[str], budget: floa
             v["means"].append(_mean_accuracy(arm["curve"]) - _mean_accuracy(grpo["curve"]))
             v["per_row"].append((arm["tokens"] / arm["useful"]) / (grpo["tokens"] / grpo["useful"])
                                 if arm["useful"] and grpo["useful"] else float("nan"))
-            v["passes"].append(passes(arm, pool))  # `pool` for files saved before arms recorded theirs
+            v["passes"].append(pool_passes(arm, pool))  # `pool` for files saved before arms recorded theirs
         out[name] = v
     rows = [[name, _spread(v["times"]), _spread(v["final"]), _spread(v["finals"], signed=True), _spread(v["area"]),
              _spread(v["areas"], signed=True), _spread(v["means"], signed=True), _spread(v["per_row"]),
@@ -226,7 +226,7 @@ def area_under(curve: Sequence[Sequence[float]], budget: float) -> float:
     return area / budget
 
 
-def passes(arm: dict[str, Any], pool: int | None = None) -> float:
+def pool_passes(arm: dict[str, Any], pool: int | None = None) -> float:
     """Questions an arm drew (screened-out ones included) over the pool's size: its passes over the pool. Files
     saved before arms recorded their pool take it from `pool`; before they counted questions: nan."""
     size = arm.get("pool", pool)
@@ -366,7 +366,7 @@ def unseen_history(results: dict[int, dict[str, dict]], pool: int) -> list[str]:
     one pass over the pool, no question came back, and the selector had nothing to go on."""
     lines = []
     for name in sorted({n for state in results.values() for n in state if n.split("+")[0] in HISTORY}):
-        most = max(passes(state[name], pool) for state in results.values() if name in state)
+        most = max(pool_passes(state[name], pool) for state in results.values() if name in state)
         if most <= 1:
             lines.append(f"{name} made at most {most:.2f} passes over the pool in a seed: no question came back, so "
                          "its selector had no history and cannot be judged here (use a smaller --pool or a longer "
@@ -377,7 +377,7 @@ def unseen_history(results: dict[int, dict[str, dict]], pool: int) -> list[str]:
 def pool_notes(results: dict[int, dict[str, dict]], fresh: bool, pool: int | None = None) -> list[str]:
     """Each arm's most passes over the pool in any seed. In a fresh pool an arm above MAX_PASSES saw questions come
     back, the very thing a fresh pool is there to rule out; its questions per second say what --rate would do."""
-    most = {name: max(passes(state[name], pool) for state in results.values())
+    most = {name: max(pool_passes(state[name], pool) for state in results.values())
             for name in next(iter(results.values()))}
     line = "Most passes over the pool in a seed: " + ", ".join(f"{n} {v:.2f}" for n, v in most.items())
     over = [n for n, v in most.items() if v > MAX_PASSES]
@@ -454,7 +454,7 @@ def curve_rows(results: dict[int, dict[str, dict]], pool: int | None = None) -> 
     whose completions run to the length cap doubles that ratio without wasting a single row more."""
     def per_completion(s: dict) -> str:
         return f"{s['tokens'] / s['completions']:.1f}" if s.get("completions") else "-"  # older files lack counts
-    return [[seed, name, s["steps"], f"{passes(s, pool):.2f}" if "considered" in s else "-",
+    return [[seed, name, s["steps"], f"{pool_passes(s, pool):.2f}" if "considered" in s else "-",
              per_completion(s), " ".join(f"{t:.0f}s:{a:.3f}" for t, a in s["curve"])]
             for seed, state in results.items() for name, s in state.items()]
 

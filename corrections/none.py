@@ -25,5 +25,5 @@ class NoCorrection:
     def __init__(self, cfg: NoneConfig) -> None:
         self.cfg = cfg
 
-    def correct(self, trainer_logp: Tensor, generator_logp: Tensor, mask: Tensor) -> Corrected:
-        return unchanged(mask)
+    def correct(self, old_logprobs: Tensor, generator_logprobs: Tensor, loss_mask: Tensor) -> Corrected:
+        return unchanged(loss_mask)

@@ -1,4 +1,4 @@
-"""`tis`: truncated importance sampling, w = min(pi_old / pi_gen, cap), per token or per sequence.
+"""`tis`: truncated importance sampling, w = min(pi_old / pi_generator, cap), per token or per sequence.
 
 Peers: TRL's GRPOTrainer `vllm_importance_sampling_mode="token_truncate"` / `"sequence_truncate"` with
 `vllm_importance_sampling_clip_max` (default 3.0); verl's `rollout_correction` `rollout_is: token | sequence` with
@@ -30,18 +30,18 @@ from gpo.types import Corrected
 Cap = Annotated[float, Ge(1)]  # a cap below 1 would shrink the weight 1 of tokens where generator = trainer
 
 
-def truncated_weights(trainer_logp: Tensor, generator_logp: Tensor, mask: Tensor, cap: float,
+def truncated_weights(old_logprobs: Tensor, generator_logprobs: Tensor, loss_mask: Tensor, cap: float,
                       level: str = "token") -> Corrected:
-    """TIS: w = min(rho, cap), rho = pi_old / pi_gen per token (`token`) or prod_t rho_t per row (`sequence`).
+    """TIS: w = min(rho, cap), rho = pi_old / pi_generator per token (`token`) or prod_t rho_t per row (`sequence`).
 
-    Truncation is exp(min(log rho, log cap)), so a long row's product cannot overflow. Every token is kept;
+    Truncation is exp(min(log rho, log cap)), so a long row's product cannot overflow. Every token stays in the loss;
     `truncated` marks loss tokens with rho > cap. Padding gets weight 1. Inputs [n, L]; no gradient flows.
     """
-    m = mask.bool()
-    log_rho = log_ratios(trainer_logp, generator_logp, m, level)  # [n, L]
+    m = loss_mask.bool()
+    log_rho = log_ratios(old_logprobs, generator_logprobs, m, level)  # [n, L]
     log_cap = math.log(cap)
     weights = torch.exp(log_rho.clamp(max=log_cap)).masked_fill(~m, 1.0)  # [n, L]
-    return Corrected(weights=weights, keep=torch.ones_like(m), truncated=(log_rho > log_cap) & m)
+    return Corrected(weights=weights, mask=torch.ones_like(m), truncated=(log_rho > log_cap) & m)
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,12 @@ class TISConfig:
 
 @register("correction", "tis", config=TISConfig)
 class TruncatedIS:
-    """Truncated importance sampling: weigh each token by min(pi_old / pi_gen, cap) (the default)."""
+    """Truncated importance sampling: weigh each token by min(pi_old / pi_generator, cap) (the default)."""
 
     masks = False
 
     def __init__(self, cfg: TISConfig) -> None:
         self.cfg = cfg
 
-    def correct(self, trainer_logp: Tensor, generator_logp: Tensor, mask: Tensor) -> Corrected:
-        return truncated_weights(trainer_logp, generator_logp, mask, self.cfg.cap, self.cfg.level)
+    def correct(self, old_logprobs: Tensor, generator_logprobs: Tensor, loss_mask: Tensor) -> Corrected:
+        return truncated_weights(old_logprobs, generator_logprobs, loss_mask, self.cfg.cap, self.cfg.level)

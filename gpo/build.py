@@ -1,5 +1,5 @@
-"""One way from a run config to working parts: `build(cfg)` is what the engine, `gpo eval`, `gpo study` and the
-benchmarks use, so a component is constructed with the same context everywhere."""
+"""One way from a run config to a run's parts: `build_parts(cfg)` is what the engine, `gpo eval`, `gpo study` and
+the benchmarks use, so a component is constructed with the same context everywhere (each by `gpo.registry.build`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from gpo.types import Allocator, Backend, Correction, Objective, Pruner, Selecto
 
 
 @dataclass
-class Components:
-    """The run's parts. `reference` is the frozen KL model, loaded only when the objective has a KL term."""
+class Parts:
+    """A run's parts: its components, tokenizer, models and backend. `reference` is the frozen KL model, loaded only
+    when the objective has a KL term."""
 
     objective: Objective
     selector: Selector
@@ -34,8 +35,8 @@ class Components:
             part.close()
 
 
-def build(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable: bool = True,
-          policy: Any = None) -> Components:
+def build_parts(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable: bool = True,
+                policy: Any = None) -> Parts:
     """Every part of a run: components, tokenizer, policy (trainable unless evaluating), reference, backend; the
     tracker only on rank 0 with a run directory (a null one otherwise). A given `policy` is used as it is instead
     of loading one (the async generator builds its parts around its own copy).
@@ -56,5 +57,5 @@ def build(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable:
         policy = load_policy(cfg.model, trainable=trainable)
     reference = load_policy(cfg.model, trainable=False) if trainable and objective.needs_ref_logprobs else None
     backend = registry.build(cfg.backend, model=policy, tokenizer=tokenizer)
-    return Components(objective, selector, pruner, allocator, task, tracker, tokenizer, policy, reference, backend,
-                      correction)
+    return Parts(objective, selector, pruner, allocator, task, tracker, tokenizer, policy, reference, backend,
+                 correction)

@@ -151,7 +151,7 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         if f.name == "reward_components":
             continue
         value = getattr(batch, f.name)
-        if f.name in ("old_logprobs", "ref_logprobs", "sampler_logprobs", "is_weights", "is_keep",
+        if f.name in ("old_logprobs", "ref_logprobs", "generator_logprobs", "is_weights", "is_mask", "loss_mask",
                       "versions"):
             _require_same_presence(value is not None, f.name)
         parts[f.name] = gather_field(value, left=f.name.startswith("prompt"),
@@ -171,7 +171,8 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
 
 
 def shard(kept: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
-    """This rank's contiguous, equal share of the kept rows (rows stay in order; padding re-trimmed)."""
+    """This rank's contiguous, equal share of the kept rows (rows stay in order, every field with them, the loss mask
+    included; padding re-trimmed)."""
     n = len(kept)
     if n % world_size:
         raise UserError(

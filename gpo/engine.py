@@ -1,9 +1,9 @@
 """The training engine: one algorithm-blind step, the run loop, evaluation, checkpoints and tracking.
 
 `Engine.step` reads top to bottom (docs/architecture.md, "The step"): the rollout source delivers the step's kept
-rows (whole groups, scored and pruned: in this process, or from a generator process running ahead with
-train.max_staleness >= 1), then the engine runs the log-prob passes and the update on them. It only calls the
-component interfaces of gpo/types.py; it never names an algorithm, pruner, allocator or task.
+rows (plan, rounds, rewards, score, prune and refill: in this process, or in a generator process running ahead with
+train.max_staleness >= 1), then the engine runs the phases after them: shard, log-probs, update, metrics. It only
+calls the component interfaces of gpo/types.py; it never names an algorithm, pruner, allocator or task.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from gpo import checkpoint, preflight
-from gpo.build import build
+from gpo.build import build_parts
 from gpo.config import to_yaml
 from gpo.distributed import all_reduce_sum, from_rank_zero, peer_failures_explained, shard, world
 from gpo.errors import UserError
@@ -31,7 +31,7 @@ from gpo.parallel import accumulating, build_accelerator, full_state_dict, gathe
 from gpo.rollout import Lockstep, Rollout, RolloutSource
 from gpo.run_config import RunConfig, as_dict
 from gpo.sampler import QuestionStream
-from gpo.step_math import corrected, step_totals, within_staleness
+from gpo.step_math import corrected, step_totals, with_loss_mask, within_staleness
 from gpo.tracking import flatten
 from gpo.types import Backend, RolloutBatch, StepTotals
 
@@ -42,8 +42,8 @@ class Engine:
 
         self.cfg = cfg
         self.train_cfg, self.optim_cfg, self.eval_cfg, self.ckpt_cfg = cfg.train, cfg.optim, cfg.eval, cfg.checkpoint
-        T = self.train_cfg
-        self.accelerator = build_accelerator(cfg.engine, T, self.optim_cfg)
+        train_cfg = self.train_cfg
+        self.accelerator = build_accelerator(cfg.engine, train_cfg, self.optim_cfg)
         self.rank, self.world_size = world()
         set_seed(cfg.seed)
         self.run_name = from_rank_zero(cfg.run_name or "-".join(  # a default name holds the time: rank 0's for all
@@ -52,17 +52,20 @@ class Engine:
         ))
         self.run_dir = Path(cfg.output_dir) / self.run_name
 
-        self.parts = build(cfg, run_dir=self.run_dir, rank=self.rank)
-        P = self.parts
+        self.parts = parts = build_parts(cfg, run_dir=self.run_dir, rank=self.rank)
         # the selector, pruner, allocator and backend live in the rollout alone (`self.rollout`), so a swap is seen
-        self.objective, self.task, self.tracker, self.tokenizer, self.policy = (P.objective, P.task, P.tracker,
-                                                                                P.tokenizer, P.policy)
-        self.correction = P.correction
-        E = cfg.engine
+        self.objective, self.task, self.tracker, self.tokenizer, self.policy = (parts.objective, parts.task,
+                                                                                parts.tracker, parts.tokenizer,
+                                                                                parts.policy)
+        self.correction = parts.correction
+        engine = cfg.engine
         # docs/precision.md: the training passes under mixed_precision, the no-grad passes under logprob_precision
-        self.logprob_precision = E.mixed_precision if E.logprob_precision == "train" else E.logprob_precision
-        self.ref = None if P.reference is None else prepare_reference(
-            self.accelerator, TokenLogprobs(P.reference, T.logprob_chunk_size, T.share_prompt, self.logprob_precision))
+        self.logprob_precision = (engine.mixed_precision if engine.logprob_precision == "train"
+                                  else engine.logprob_precision)
+        self.ref = None if parts.reference is None else prepare_reference(
+            self.accelerator,
+            TokenLogprobs(parts.reference, train_cfg.logprob_chunk_size, train_cfg.share_prompt,
+                          self.logprob_precision))
 
         opt = self.optim_cfg
         optimizer = torch.optim.AdamW(
@@ -70,18 +73,19 @@ class Engine:
             lr=opt.lr, betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay, fused=opt.fused,
         )
         self.module, self.optimizer = prepare_policy(
-            self.accelerator, TokenLogprobs(self.policy, T.logprob_chunk_size, T.share_prompt, E.mixed_precision),
+            self.accelerator,
+            TokenLogprobs(self.policy, train_cfg.logprob_chunk_size, train_cfg.share_prompt, engine.mixed_precision),
             optimizer,
         )
-        self.scheduler = _scheduler(self.optimizer, opt.schedule, opt.warmup_ratio, total=T.steps * T.mu)
+        self.scheduler = _scheduler(self.optimizer, opt.schedule, opt.warmup_ratio,
+                                    total=train_cfg.steps * train_cfg.mu)
         self.accelerator.register_for_checkpointing(self.scheduler)
 
         self.questions = QuestionStream(self.task.load("train"), cfg.seed)
-        self.rollout = Rollout(T, cfg.seed, self.task, cfg.task.name, self.tokenizer, P.backend, self.objective,
-                               P.selector, P.pruner, P.allocator, self.questions, self.accelerator,
-                               self.policy, self.rank, self.world_size)
+        self.rollout = Rollout.from_parts(parts, cfg, self.questions, accelerator=self.accelerator, rank=self.rank,
+                                          world_size=self.world_size)
         self.rollouts: RolloutSource = Lockstep(self.rollout)
-        if T.max_staleness:
+        if train_cfg.max_staleness:
             from gpo.async_rollout import AsyncRollouts
 
             self.rollouts = AsyncRollouts(cfg, self.rollout, self.policy)
@@ -95,27 +99,27 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
-        """One training step (docs/architecture.md, "The step"): rewards, group filter, advantages and pruning all
-        happen before any log-prob pass, so the old-policy, reference and training passes see only kept rows."""
-        T, timer = self.train_cfg, PhaseTimer()
-        # 1-7 rounds of generation and rewards, the group filter, advantages and pruning, on whole groups
+        """One training step (docs/architecture.md, "The step"): rewards, the group filter, advantages and pruning
+        all happen before any log-prob pass, so the old-policy, reference and training passes see only kept rows."""
+        train_cfg, timer = self.train_cfg, PhaseTimer()
+        # The rollout source runs the phases up to the kept rows (plan, rounds, rewards, score, prune, refill: see
+        # gpo.rollout), in this process or in a generator running ahead; every row within the staleness bound trains.
         produced = self.rollouts.next(self.step_index, timer)
-        rows, staleness = within_staleness(produced.rows, self.step_index, T.max_staleness)
-        # 8 every rank trains its share of the kept rows
-        kept = shard(rows, self.rank, self.world_size)
-        # 9 old and reference log-probs, only when needed, only on kept rows; the correction where pi_old is known
+        rows, staleness = within_staleness(produced.rows, self.step_index, train_cfg.max_staleness)
+        # shard: every rank trains its share of the kept rows, which carry the objective's loss mask, computed once
+        kept = shard(with_loss_mask(self.objective, rows), self.rank, self.world_size)
+        # log-probs: old and reference, only when needed, only on kept rows; the correction where pi_old is known
         with timer("logprobs"):
             kept, mismatch = self._fill_logprobs(kept)
-        # 10 mu optimizer steps over the kept rows
+        # update: mu optimizer passes over the kept rows, then the generator gets the new weights (time/weight_sync)
         with timer("update"):
             update_metrics = self._update(kept, mismatch)
-        # the generator gets the new weights (time/weight_sync)
         self.rollouts.publish(self.policy, self.step_index + 1, "train/skipped" not in update_metrics, timer)
-        # 11 metrics of this step
+        # metrics: the rollout's, staleness, the update's and the correction's, and seconds per phase
         self.step_index += 1
         return {
             **produced.metrics,
-            **staleness_metrics(staleness, T.max_staleness),
+            **staleness_metrics(staleness, train_cfg.max_staleness),
             **update_metrics,
             **timer.metrics(),
         }
@@ -125,15 +129,15 @@ class Engine:
         now: on this rank's whole shard, before the step's tokens are counted, so dropped tokens leave the loss's
         denominators. A correction that may drop tokens gets its pi_old pass even with mu == 1; one that only
         weighs tokens waits, with mu == 1, for the training pass's own log-probs (`_update`)."""
-        T = self.train_cfg
-        generated = kept.sampler_logprobs is not None
-        if T.mu > 1 or (generated and self.correction.masks):  # mu == 1 otherwise: pi_old is detached in the loss
+        train_cfg = self.train_cfg
+        generated = kept.generator_logprobs is not None
+        if train_cfg.mu > 1 or (generated and self.correction.masks):  # else mu == 1: pi_old is detached in the loss
             with computing_in(self.accelerator.unwrap_model(self.module), self.logprob_precision):
-                kept.old_logprobs = batch_logprobs(self.module, kept.to(self.accelerator.device), T.micro_batch_size,
-                                                   T.temperature)
+                kept.old_logprobs = batch_logprobs(self.module, kept.to(self.accelerator.device),
+                                                   train_cfg.micro_batch_size, train_cfg.temperature)
         if self.ref is not None:
-            kept.ref_logprobs = batch_logprobs(self.ref, kept.to(self.accelerator.device), T.micro_batch_size,
-                                               T.temperature)
+            kept.ref_logprobs = batch_logprobs(self.ref, kept.to(self.accelerator.device), train_cfg.micro_batch_size,
+                                               train_cfg.temperature)
         mismatch = MetricSums()
         if generated and kept.old_logprobs is not None:
             kept, counts = corrected(self.correction, self.objective, kept, kept.old_logprobs)
@@ -141,21 +145,21 @@ class Engine:
         return kept, mismatch
 
     def _update(self, kept: RolloutBatch, mismatch: MetricSums) -> dict[str, float]:
-        T, device = self.train_cfg, self.accelerator.device
+        train_cfg, device = self.train_cfg, self.accelerator.device
         mine = step_totals(self.objective, kept)
         totals = StepTotals(sequences=int(all_reduce_sum(mine.sequences)), tokens=int(all_reduce_sum(mine.tokens)))
         if totals.tokens == 0:  # everything was filtered, pruned or dropped: nothing to learn from this step
             return {"train/skipped": 1.0, "tokens/trained": 0.0, **mismatch_metrics(mismatch.result(passes=1))}
         sums = MetricSums()
         grad_norms = []
-        for _ in range(T.mu):
-            parts = list(micro_batches(kept, T.micro_batch_size))
-            for i, mb in enumerate(parts):
-                with accumulating(self.accelerator, self.module, last=i == len(parts) - 1):
+        for _ in range(train_cfg.mu):
+            micro = list(micro_batches(kept, train_cfg.micro_batch_size))
+            for i, mb in enumerate(micro):
+                with accumulating(self.accelerator, self.module, last=i == len(micro) - 1):
                     mb = mb.to(device)
                     logp = self.module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                                       T.temperature)
-                    if mb.sampler_logprobs is not None and mb.is_weights is None:  # mu == 1: this pass is pi_old
+                                       train_cfg.temperature)
+                    if mb.generator_logprobs is not None and mb.is_weights is None:  # mu == 1: this pass is pi_old
                         mb, counts = corrected(self.correction, self.objective, mb, logp, may_mask=False)
                         mismatch.add(counts)
                     loss, metrics = self.objective.loss(logp, mb, totals)
@@ -168,11 +172,11 @@ class Engine:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         return {
-            **sums.result(passes=T.mu),
+            **sums.result(passes=train_cfg.mu),
             **mismatch_metrics(mismatch.result(passes=1)),
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
             "train/lr": self.scheduler.get_last_lr()[0],
-            "tokens/trained": float(totals.tokens * T.mu),
+            "tokens/trained": float(totals.tokens * train_cfg.mu),
             "train/rows": float(totals.sequences),
         }
 
@@ -182,20 +186,20 @@ class Engine:
         checkpoints are never chosen on test), or on `split` of another `task`."""
         from gpo.evaluate import evaluate, sampling_for
 
-        E = self.eval_cfg
+        ev = self.eval_cfg
         task = task or self.task
         self.rollouts.evaluating(self.policy)
-        examples = list(task.load(split or E.split))
-        examples = examples[: E.limit] if E.limit else examples
-        sampling = sampling_for(E, self.train_cfg.max_completion_length)
+        examples = list(task.load(split or ev.split))
+        examples = examples[: ev.limit] if ev.limit else examples
+        sampling = sampling_for(ev, self.train_cfg.max_completion_length)
         with gathered(self.accelerator, self.policy, needed=self.backend.generates_with_policy):
             _, summary = evaluate(self.policy, self.tokenizer, self.backend, task, examples, sampling,
-                                  E.batch_size, self.train_cfg.max_prompt_length, E.samples, E.pass_k)
+                                  ev.batch_size, self.train_cfg.max_prompt_length, ev.samples, ev.pass_k)
         return {f"eval/{tag}/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def save(self) -> Path:
         # the question stream, allocator and selector (per-question history: resumed selections match), and the
-        # generated steps not yet trained (train.max_staleness >= 1)
+        # generated steps not yet trained (train_cfg.max_staleness >= 1)
         rollout_state, queued = self.rollouts.state_dict()
         state = {**rollout_state, "best_score": self.best_score, "run_name": self.run_name}
         return checkpoint.save(self.accelerator, self.run_dir / "checkpoints", self.step_index, state,
@@ -279,10 +283,10 @@ class Engine:
                 f"run_name={self.run_name} to continue {start}.")
 
     def run(self) -> dict[str, float]:
-        """Train for train.steps with evaluation, checkpoints and tracking; return the final summary."""
+        """Train for train_cfg.steps with evaluation, checkpoints and tracking; return the final summary."""
         from tqdm.auto import tqdm
 
-        T, E, C = self.train_cfg, self.eval_cfg, self.ckpt_cfg
+        train_cfg, ev, ckpt = self.train_cfg, self.eval_cfg, self.ckpt_cfg
         path = self.resume_path()
         if path is not None:
             path = self.restore(path)
@@ -293,14 +297,15 @@ class Engine:
         self.tracker.start(self.run_name, flatten(as_dict(self.cfg)), to_yaml(self.cfg))
         summary: dict[str, float] = {}
         started = time.perf_counter()
-        if E.before_and_after and self.step_index == 0:
+        if ev.before_and_after and self.step_index == 0:
             summary.update(self.evaluate("before"))
             self.tracker.log_metrics(summary, step=0)
-        bar = tqdm(total=T.steps, initial=self.step_index, desc="gpo", disable=self.rank != 0, dynamic_ncols=True)
+        bar = tqdm(total=train_cfg.steps, initial=self.step_index, desc="gpo", disable=self.rank != 0,
+                   dynamic_ncols=True)
         status = "FAILED"
         try:
             with _sigterm_as_interrupt():
-                while self.step_index < T.steps:
+                while self.step_index < train_cfg.steps:
                     metrics = self.step()
                     self.tracker.log_metrics(metrics, step=self.step_index)
                     bar.update(1)
@@ -308,9 +313,9 @@ class Engine:
                                     s_step=f"{metrics['time/step']:.1f}")
                     summary.update({"final/reward_mean": metrics["reward/mean"],
                                     "final/kept_frac": metrics["prune/kept_frac"]})
-                    if E.every and self.step_index % E.every == 0 and self.step_index < T.steps:
+                    if ev.every and self.step_index % ev.every == 0 and self.step_index < train_cfg.steps:
                         self._validate()
-                    if C.every and self.step_index % C.every == 0:
+                    if ckpt.every and self.step_index % ckpt.every == 0:
                         self.save()
             status = "FINISHED"
         except KeyboardInterrupt:
@@ -322,15 +327,15 @@ class Engine:
             if status != "FINISHED":
                 self.tracker.end(status)
         self.save()
-        final = self.save_model("final") if C.save_final_model else None
+        final = self.save_model("final") if ckpt.save_final_model else None
         summary["train/seconds"] = time.perf_counter() - started
-        if E.before_and_after:
+        if ev.before_and_after:
             summary.update(self.evaluate("after"))
         from gpo.evaluate import final_tasks
 
         for name, task in final_tasks(self.cfg, self.task):  # eval.tasks: test splits, e.g. aime24, amc23
             summary.update(self.evaluate(f"after/{name}", task=task, split="test"))
-        if E.before_and_after or E.tasks:
+        if ev.before_and_after or ev.tasks:
             self.tracker.log_metrics({k: v for k, v in summary.items() if k.startswith("eval/")}, step=self.step_index)
         self.tracker.log_artifact(str(self.run_dir / "config.yaml"))
         self.tracker.log_summary({**summary, **({"final_model": str(final)} if final else {})})
@@ -340,7 +345,7 @@ class Engine:
         return summary
 
     def close(self) -> None:
-        """Stop the generator process (train.max_staleness >= 1), then free what the parts hold (a generator on
+        """Stop the generator process (train_cfg.max_staleness >= 1), then free what the parts hold (a generator on
         the process group, vLLM, goes first)."""
         self.rollouts.close()
         self.parts.close()

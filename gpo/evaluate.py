@@ -1,5 +1,9 @@
 """`gpo eval`: accuracy of a model on a task's split, with a per-example report; greedy, or sampled.
 
+A completion is correct when the task's `grade` says so, and a task grades by `gpo.types.passes` on its pass
+criterion: the rule training's success rate, DAPO's filter and the selectors use, so accuracy, pass@k and maj@n
+count the same completions right as training does.
+
 Greedy (the default, eval.samples=1) scores one completion per question. Sampled (eval.samples=n, at
 eval.temperature / eval.top_p) scores n per question and reports, besides `accuracy` (= avg@n, the mean over all
 n completions):
@@ -209,12 +213,12 @@ def expand_shorthands(args: Sequence[str]) -> list[str]:
 
 def evaluate_from_args(args: list[str], config_files: list[str]) -> int:
     """`gpo eval model=PATH task=NAME [split=test] [limit=N] [backend=hf] [key=value ...]`."""
-    from gpo.build import build
+    from gpo.build import build_parts
     from gpo.config import compose, to_yaml
 
     cfg = compose(expand_shorthands(args), config_files)
     ev, train = cfg.eval, cfg.train
-    parts = build(cfg, trainable=False)
+    parts = build_parts(cfg, trainable=False)
     try:
         examples = list(parts.task.load(ev.split))
         if ev.limit:

@@ -113,8 +113,8 @@ def generate(backend: Backend, prompts: list[list[int]], n: int | list[int], sam
     completion_ids, generated = pad(completions, pad_token_id, left=False)  # [N, L]
     lengths = generated.sum(dim=1)
     mask = completion_mask(completion_ids, eos_token_id, lengths)  # [N, L]
-    reported = backend.sampled_logprobs()
-    sampler_logprobs = None if reported is None else _pad_floats(reported, completion_ids.shape[1])  # [N, L]
+    reported = backend.generator_logprobs()
+    generator_logprobs = None if reported is None else _pad_floats(reported, completion_ids.shape[1])  # [N, L]
     has_eos = ((completion_ids == eos_token_id) & (generated > 0)).any(dim=1)
     N = len(completions)
     return RolloutBatch(
@@ -127,7 +127,7 @@ def generate(backend: Backend, prompts: list[list[int]], n: int | list[int], sam
         advantages=torch.zeros(N),
         truncated=~has_eos,
         owner_rank=torch.full((N,), rank, dtype=torch.long),
-        sampler_logprobs=sampler_logprobs,
+        generator_logprobs=generator_logprobs,
     ).trimmed()
 
 

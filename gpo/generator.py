@@ -2,11 +2,12 @@
 trainer, wherever it runs (a spawned process, gpo/async_rollout.py; a Ray actor, gpo/async_ray.py).
 
 It holds a private copy of the policy and its own rollout parts (task, selector, pruner, allocator, backend) and
-produces whole steps, as `Lockstep` does in the engine's process: step j's rounds, rewards, advantages and
-pruning, sampled with the trainer's weights after max(0, j - k) steps (version max(0, j - k)), or newer ones
-taken before each generation call with train.weight_updates=inflight. It copies published weights out of the
-channel's shared copy and tells the trainer which version it took, so the trainer never rewrites weights the
-generator is still copying.
+produces whole steps, as `Lockstep` does in the engine's process: step j's phases up to its kept rows (plan, rounds,
+rewards, score, prune, refill; docs/architecture.md, "The step"), sampled with the trainer's weights after
+max(0, j - k) steps (version max(0, j - k)), or newer ones taken before each generation call with
+train.weight_updates=inflight. The trainer runs the rest (shard, log-probs, update, metrics). It copies published
+weights out of the channel's shared copy and tells the trainer which version it took, so the trainer never rewrites
+weights the generator is still copying.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gpo import registry
-from gpo.build import Components, build
+from gpo.build import build_parts
 from gpo.distributed import peer_failures_explained
 from gpo.errors import UserError
 from gpo.metrics import PhaseTimer
@@ -125,8 +126,10 @@ def run_generator(spec: Spec, channel: Channel) -> None:
             timeout = timedelta(seconds=cfg.engine.collective_timeout_s)
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
             dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-        parts = build(cfg, trainable=False, policy=model)
-        rollout = _rollout(cfg, parts, spec.rank, spec.world_size)
+        parts = build_parts(cfg, trainable=False, policy=model)
+        # this rank's share of each generation call, over its own parts (no accelerator: nothing to gather)
+        rollout = Rollout.from_parts(parts, cfg, QuestionStream(parts.task.load("train"), cfg.seed), rank=spec.rank,
+                                     world_size=spec.world_size)
         rollout.load_state_dict(spec.state)
         with peer_failures_explained(lambda: "Rerun the same command with resume=auto to continue."):
             _generate_steps(spec, channel, weights, rollout, parts.backend)
@@ -153,6 +156,7 @@ def _generate_steps(spec: Spec, channel: Channel, weights: GeneratorWeights, rol
             time.sleep(POLL_S)
         idle = time.perf_counter() - waited
         timer, weights.inflight = PhaseTimer(), 0
+        # plan, rounds, rewards, score, prune and refill, as Lockstep runs them in the trainer's process
         produced = rollout.produce(step, weights.version, timer, refresh=refresh)
         produced.state = rollout.state_dict()  # a resume from a checkpoint that queues this step continues here
         produced.metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
@@ -163,16 +167,6 @@ def _generate_steps(spec: Spec, channel: Channel, weights: GeneratorWeights, rol
         channel.out.put(("step", buffer.getvalue()))
         if channel.stop.is_set():
             return
-
-
-def _rollout(cfg: RunConfig, parts: Components, rank: int, world_size: int) -> Rollout:
-    """The generator's rollout over its own parts (gpo.build around its private model), sampling this rank's share
-    of each generation call."""
-    questions = QuestionStream(parts.task.load("train"), cfg.seed)
-    return Rollout(cfg.train, cfg.seed, parts.task, cfg.task.name, parts.tokenizer, parts.backend, parts.objective,
-                   parts.selector, parts.pruner, parts.allocator, questions, accelerator=None, policy=parts.policy,
-                   rank=rank, world_size=world_size)
-
 
 
 def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:

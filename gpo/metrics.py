@@ -136,9 +136,9 @@ def mismatch_metrics(counts: dict[str, float]) -> dict[str, float]:
     """The step's generator/trainer mismatch and what the correction did, from `gpo.step_math.mismatch_counts` summed
     (maxima: maxed) over micro-batches and ranks; {} for a step without the generator's log-probs.
 
-    mismatch/logp_abs_mean, _max: |log pi_old - log pi_gen| over loss tokens; mismatch/kl_gen_train: the mean k3
-    estimate of KL(pi_gen || pi_old) per loss token (>= 0); correction/weight_mean: the mean weight of the kept
-    tokens; correction/truncated_frac, masked_frac: shares of loss tokens truncated, dropped;
+    mismatch/logp_abs_mean, _max: |log pi_old - log pi_generator| over loss tokens; mismatch/kl_gen_train: the mean k3
+    estimate of KL(pi_generator || pi_old) per loss token (>= 0); correction/weight_mean: the mean weight of the tokens
+    left in the loss; correction/truncated_frac, masked_frac: shares of loss tokens truncated, dropped;
     correction/truncated_seq_frac, masked_seq_frac: shares of rows with any such token (at sequence level: the rows
     truncated or dropped whole)."""
     if not counts:
@@ -148,7 +148,7 @@ def mismatch_metrics(counts: dict[str, float]) -> dict[str, float]:
         "mismatch/logp_abs_mean": counts["logp_abs_sum"] / tokens,
         "mismatch/logp_abs_max": counts["logp_abs_max"],
         "mismatch/kl_gen_train": counts["kl_sum"] / tokens,
-        "correction/weight_mean": counts["weight_sum"] / max(counts["kept"], 1.0),
+        "correction/weight_mean": counts["weight_sum"] / max(counts["left"], 1.0),
         "correction/truncated_frac": counts["truncated"] / tokens,
         "correction/masked_frac": counts["masked"] / tokens,
         "correction/truncated_seq_frac": counts["truncated_rows"] / rows,

@@ -317,7 +317,7 @@ class PolicyLoss:
     The surrogate is PPO's clipped ratio with eps_low / eps_high (GRPO, DAPO, Dr.GRPO, REINFORCE++) unless
     `surrogate` gives another per-token term (GSPO, CISPO, SAPO, GMPO, RLOO); KL, aggregation and metrics are the
     same for all. The objectives differ in these settings, never in this code. The generator/trainer correction is
-    not an objective's setting: it comes with the batch (`is_weights` multiply each token's policy loss, `is_keep`
+    not an objective's setting: it comes with the batch (`is_weights` multiply each token's policy loss, `is_mask`
     takes tokens out of the mask), so every objective composes with every correction (gpo.corrections).
     """
 
@@ -354,7 +354,7 @@ class PolicyLoss:
         Metrics are detached 0-dim tensors. Summed over micro-batches they give the step value, except names
         ending in `_min` / `_max` (the smallest and largest token ratio), which the engine reduces with min / max;
         they are +inf / -inf when no token counts, the identities of those reductions.
-        Tokens the correction dropped (`batch.is_keep`) leave `mask`, as they left `totals` (gpo.step_math).
+        Tokens the correction dropped (`batch.is_mask`) leave `mask`, as they left `totals` (gpo.step_math).
         """
         m = batch.counted(mask)  # [n, L]
         # Padding may hold anything (even -inf); zero it so no NaN reaches the loss or its gradient.

@@ -1,15 +1,18 @@
-"""A step's rollouts: the allocator's rounds of questions, the selector's phases, generation and rewards, until the
-step's slots are filled. Iterating a `StepRollout` yields each finished batch of whole groups with its group filter;
-`Rollout.produce` prunes it and hands the kept rows back (`record`), which tells the allocator how full the step is:
+"""A step's rollouts: the phases of the step before its kept rows reach the trainer (docs/architecture.md, "The
+step"): plan (the allocator's first round), rounds (the selector's phases of generation), rewards, score (the group
+filter and advantages on whole groups), prune (the pruner's keep on each finished batch) and refill (the allocator's
+next round), until the step's slots are filled. Iterating a `StepRollout` yields each scored batch of whole groups
+with its group mask; `Rollout.produce` prunes it and hands the kept rows back (`record`), which tells the allocator
+how full the step is before it plans a refill:
 
     run = StepRollout(rollout, step, timer, version)
-    for batch, group_keep in run:               # whole groups, shaped rewards and advantages, filter [B]
-        run.record(*kept_rows(pruner, batch, group_keep, G))
-    kept = run.kept()
+    for batch, group_mask in run:               # score: whole groups, shaped rewards and advantages, filter [B]
+        run.record(*kept_rows(pruner, batch, group_mask, G))  # prune
+    kept = run.kept()                           # the engine shards these
 
 `Lockstep` is the engine's source of rollouts when train.max_staleness=0: each step generates with the weights the
-previous step left. gpo/async_rollout.py is the other source, a generator process running ahead. The phases
-themselves are the pure code of gpo/rollout_phases.py (docs/architecture.md, "The step").
+previous step left. gpo/async_rollout.py is the other source, a generator process running ahead. The rounds' phases
+themselves are the pure code of gpo/rollout_phases.py.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gpo.build import Parts
 from gpo.distributed import all_gather_batch, all_reduce_sum
 from gpo.errors import UserError
 from gpo.generation import completion_tokens, decode_completions, encode_prompts, generate
@@ -28,7 +32,7 @@ from gpo.metrics import PhaseTimer, rollout_metrics
 from gpo.parallel import gathered
 from gpo.rewards import score as score_completions
 from gpo.rollout_phases import Call, Phases, Round, RoundLedger, advance, generation_seed, rank_share
-from gpo.run_config import TrainConfig
+from gpo.run_config import RunConfig, TrainConfig
 from gpo.sampler import QuestionStream
 from gpo.step_math import kept_rows, score_groups
 from gpo.types import (
@@ -47,7 +51,7 @@ from gpo.types import (
 
 @dataclass
 class Rollout:
-    """Everything a step's rollouts need, built once per run; `plan` starts one step's."""
+    """Everything a step's rollouts need, built once per run (`from_parts`); `produce` runs one step's."""
 
     train: TrainConfig
     seed: int
@@ -66,9 +70,21 @@ class Rollout:
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        T = self.train
-        self.sampling = Sampling(max_new_tokens=T.max_completion_length, temperature=T.temperature, top_p=T.top_p)
+        train = self.train
+        self.sampling = Sampling(max_new_tokens=train.max_completion_length, temperature=train.temperature,
+                                 top_p=train.top_p)
         self.pass_key = pass_criterion(self.task)
+
+    @classmethod
+    def from_parts(cls, parts: Parts, cfg: RunConfig, questions: QuestionStream, accelerator: Any = None,
+                   rank: int = 0, world_size: int = 1) -> Rollout:
+        """The run's rollout over its `parts` (`gpo.build.build_parts`): the engine's (with its `accelerator`, which
+        gathers ZeRO-3 parameters around generation), or a generator's around its own copy of the policy (none).
+        `rank` of `world_size` generates its share of each call."""
+        return cls(train=cfg.train, seed=cfg.seed, task=parts.task, task_name=cfg.task.name,
+                   tokenizer=parts.tokenizer, backend=parts.backend, objective=parts.objective,
+                   selector=parts.selector, pruner=parts.pruner, allocator=parts.allocator, questions=questions,
+                   accelerator=accelerator, policy=parts.policy, rank=rank, world_size=world_size)
 
     def produce(self, step: int, version: int, timer: PhaseTimer,
                 refresh: Callable[[], int] | None = None) -> Produced:
@@ -76,8 +92,10 @@ class Rollout:
         through the pruner as soon as it is scored, identically on every rank, before any log-prob pass.
         `refresh` (in-flight weight updates) runs before each generation call and returns the version held then."""
         run = StepRollout(self, step, timer, version, refresh)
-        for batch, group_keep in run:
-            run.record(*kept_rows(self.pruner, batch, group_keep, self.train.group_size, multiple_of=self.world_size))
+        for batch, group_mask in run:
+            # prune: each finished batch as soon as it is scored, to a multiple of the world size; the allocator
+            # sees how full the step is (record) before it plans a refill
+            run.record(*kept_rows(self.pruner, batch, group_mask, self.train.group_size, multiple_of=self.world_size))
         metrics = {**run.metrics(), **self.allocator.metrics(), **self.selector.metrics()}
         return Produced(run.kept(), metrics)
 
@@ -108,7 +126,7 @@ class Rollout:
                 seed=call.seed + share.start, eos_token_id=self.tokenizer.eos_token_id,
                 pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
             )
-        with timer("reward"):
+        with timer("reward"):  # rewards: this rank scores the rows it generated
             ids = completion_tokens(local)
             texts = decode_completions(self.tokenizer, ids)
             rows_examples = [e for e, n in zip(mine, counts, strict=True) for _ in range(n)]
@@ -186,47 +204,52 @@ class Lockstep:
 
 
 class StepRollout:
-    """One step's rounds. Iterate for the finished whole-group batches; `record` each one's pruning before the next."""
+    """One step's rounds. Iterate for the scored whole-group batches; `record` each one's pruning before the next."""
 
     def __init__(self, rollout: Rollout, step: int, timer: PhaseTimer, version: int,
                  refresh: Callable[[], int] | None = None) -> None:
-        self.r, self.step, self.timer = rollout, step, timer
+        self.rollout, self.step, self.timer = rollout, step, timer
         self.seen: list[RolloutBatch] = []  # every round's whole groups, before the group filter
         self.candidates: list[tuple[RolloutBatch, torch.Tensor]] = []  # the filter's groups, the pruner's mask
         self.kept_parts: list[RolloutBatch] = []
         self.spent = RoundLedger()
         self.task_metrics: dict[str, float] = {}
         self.task_rewards: list[torch.Tensor] = []  # [n] per finished batch, before the objective shapes them
-        r = rollout
-        def generate(examples: list, call: Call) -> RolloutBatch:
-            return r.generate(examples, call, timer, self.task_metrics, version if refresh is None else refresh())
 
-        self.phases = Phases(r.selector, generate, r.train.group_size, r.tokenizer.pad_token_id, r.pass_key,
-                             mixed=r.backend.per_prompt_counts)
+        def generate(examples: list, call: Call) -> RolloutBatch:
+            return rollout.generate(examples, call, timer, self.task_metrics,
+                                    version if refresh is None else refresh())
+
+        self.phases = Phases(rollout.selector, generate, rollout.train.group_size, rollout.tokenizer.pad_token_id,
+                             rollout.pass_key, mixed=rollout.backend.per_prompt_counts)
 
     def __iter__(self) -> Iterator[tuple[RolloutBatch, torch.Tensor]]:
-        r, T = self.r, self.r.train
-        G, slots = T.group_size, T.questions_per_step * T.group_size
-        kept_per_group, rate = r.pruner.expected_kept_per_group(G), self.pass_rate()
-        # the allocator plans the first round; refills come back here while slots stay empty
-        questions = r.allocator.first_round(slots, G, kept_per_group, r.world_size, pass_rate=rate)
+        rollout, train = self.rollout, self.rollout.train
+        G, slots = train.group_size, train.questions_per_step * train.group_size
+        kept_per_group, rate = rollout.pruner.expected_kept_per_group(G), self.pass_rate()
+        # plan: the allocator's first round, sized by the pruner's kept-per-group estimate and the selector's pass rate
+        questions = rollout.allocator.first_round(slots, G, kept_per_group, rollout.world_size, pass_rate=rate)
         drawn, waiting = 0, None  # waiting: a round whose screened questions still need the rest of their groups
         while questions > 0 or waiting is not None:
-            # the new round's first phase and the waiting round's second phase share the generation call(s)
+            # rounds: the new round's first phase and the waiting round's second phase share the generation call(s)
             new = self._draw(questions, drawn) if questions > 0 else None
             drawn += new is not None
             finished, waiting, spent = advance(self.phases, waiting, new, self.step)
+            # rewards: each call above scored its rows (Rollout.generate) and the selector observed every reward
             self.spent = self.spent.add(spent)
-            for batch in finished:  # shaped rewards and advantages over each whole group, and the group filter
+            for batch in finished:
                 self.task_rewards.append(batch.rewards)  # scoring replaces them by the shaped total
-                batch, group_keep = (batch, torch.zeros(0, dtype=torch.bool)) if len(batch) == 0 else score_groups(
-                    r.objective, batch, G)
+                # score: shaped rewards and advantages over each whole group, and the group filter's group mask
+                batch, group_mask = (batch, torch.zeros(0, dtype=torch.bool)) if len(batch) == 0 else score_groups(
+                    rollout.objective, batch, G, rollout.pass_key)
                 self.seen.append(batch)
-                yield batch, group_keep
-            # A waiting round's rows are counted by the pruner's estimate; the allocator is asked again once known.
+                # prune: the caller keeps rows of this batch (`record`) before the next round is planned
+                yield batch, group_mask
+            # refill: while slots stay empty, the allocator's next round (0 ends the rollout). A waiting round's rows
+            # are counted by the pruner's estimate; the allocator is asked again once they are known.
             slots_left = slots - sum(len(p) for p in self.kept_parts) - self._expected_rows(waiting, kept_per_group)
-            questions = r.allocator.next_round(slots_left, drawn, G, kept_per_group, r.world_size,
-                                               pass_rate=rate)
+            questions = rollout.allocator.next_round(slots_left, drawn, G, kept_per_group, rollout.world_size,
+                                                     pass_rate=rate)
 
     def record(self, batch: RolloutBatch, keep: torch.Tensor) -> None:
         """The pruner's verdict on a finished batch (its filtered groups and the mask over them)."""
@@ -235,17 +258,18 @@ class StepRollout:
 
     def kept(self) -> RolloutBatch:
         """Every kept row of the step, in the order the rounds finished."""
-        return RolloutBatch.concat(self.kept_parts, self.r.tokenizer.pad_token_id)
+        return RolloutBatch.concat(self.kept_parts, self.rollout.tokenizer.pad_token_id)
 
     def metrics(self) -> dict[str, float]:
-        r = self.r
-        out = {**rollout_metrics(self.seen, self.candidates, self.spent, r.train.group_size,
-                                 r.tokenizer.pad_token_id), **self.task_metrics}
+        rollout = self.rollout
+        out = {**rollout_metrics(self.seen, self.candidates, self.spent, rollout.train.group_size,
+                                 rollout.tokenizer.pad_token_id), **self.task_metrics}
         # reward/mean is the objective's shaped total (DAPO's overlong penalty moves it); these two are comparable
         # across objectives
         task_rewards = torch.cat(self.task_rewards) if self.task_rewards else torch.zeros(0)
         out["reward/task_mean"] = float(task_rewards.mean()) if len(task_rewards) else float("nan")
-        criterion = [b.reward_components[r.pass_key] for b in self.seen if r.pass_key in b.reward_components]
+        pass_key = rollout.pass_key
+        criterion = [b.reward_components[pass_key] for b in self.seen if pass_key in b.reward_components]
         if criterion:
             out["reward/success_rate"] = float(passes(torch.cat(criterion)).float().mean())
         return out
@@ -253,22 +277,22 @@ class StepRollout:
     def pass_rate(self) -> float:
         """The share of candidates the selector expects to reach a whole group (1 before it has an estimate): the
         dynamic allocator draws 1/rate times the candidates so the survivors fill the step."""
-        rate = self.r.selector.expected_pass_rate()
+        rate = self.rollout.selector.expected_pass_rate()
         return 1.0 if rate is None else rate
 
     def _draw(self, n_questions: int, round_index: int) -> Round:
         """The round's candidates (the same questions, in the same order, on every rank) and the selector's
         first-phase counts for them."""
-        r = self.r
-        pool = r.questions.take_indices(n_questions)
-        seed = generation_seed(r.seed, self.step, round_index)
-        examples = [r.questions.examples[i] for i in pool]
-        return Round(pool, examples, r.selector.first_phase(pool, r.train.group_size, seed=seed), seed)
+        rollout = self.rollout
+        pool = rollout.questions.take_indices(n_questions)
+        seed = generation_seed(rollout.seed, self.step, round_index)
+        examples = [rollout.questions.examples[i] for i in pool]
+        return Round(pool, examples, rollout.selector.first_phase(pool, rollout.train.group_size, seed=seed), seed)
 
     def _expected_rows(self, waiting: Round | None, kept_per_group: float | None) -> int:
         """Rows a round still generating its second phase is expected to add once pruned (a whole group per
         continued question where the pruner has no estimate)."""
         if waiting is None:
             return 0
-        kept = self.r.train.group_size if kept_per_group is None else kept_per_group
+        kept = self.rollout.train.group_size if kept_per_group is None else kept_per_group
         return math.ceil(waiting.continued * kept)

@@ -1,11 +1,11 @@
 """A training step's maths on a RolloutBatch, without a model: what `Engine.step` calls between generation and the
 optimizer, public so that an algorithm or a pruner can be checked on a hand-made batch.
 
-    from gpo.step_math import score_groups, kept_rows, corrected, step_totals, loss_shares
-    scored, group_keep = score_groups(objective, batch, group_size=4)  # shaped rewards, advantages, filter [B]
-    candidates, keep = kept_rows(pruner, scored, group_keep, group_size=4)  # whole kept groups, pruner's mask
-    kept = candidates.select(keep)
-    kept, counts = corrected(correction, objective, kept, old_logp)  # with the generator's log-probs: weights, mask
+    from gpo.step_math import score_groups, kept_rows, with_loss_mask, corrected, step_totals, loss_shares
+    scored, group_mask = score_groups(objective, batch, group_size=4)  # shaped rewards, advantages, filter [B]
+    candidates, keep = kept_rows(pruner, scored, group_mask, group_size=4)  # the filter's groups, pruner's mask
+    kept = with_loss_mask(objective, candidates.select(keep))  # the objective's loss mask, once for the step
+    kept, counts = corrected(correction, objective, kept, old_logprobs)  # with generator log-probs: weights, mask
     shares = loss_shares(objective, kept, logp, micro_batch_size=2)  # logp [N, L]: any policy's, or made up
     run = select(selector, {7: {"total": [2, 1, 2, 1], "accuracy": [1, 0, 1, 0]}}, group_size=4)  # a selector
 
@@ -16,6 +16,7 @@ multi-rank step sums `step_totals` over ranks before the loss; the engine does t
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from gpo.logprobs import micro_batches
 from gpo.rollout_phases import Call, Phases, Round, RoundLedger, advance, generation_seed
-from gpo.types import Correction, Objective, Pruner, RolloutBatch, Selector, StepTotals
+from gpo.types import Correction, Objective, Pruner, RolloutBatch, Selector, StepTotals, loss_mask_of, passes
 
 
 def shaped_rewards(objective: Objective, batch: RolloutBatch, group_size: int) -> Tensor:
@@ -34,26 +35,45 @@ def shaped_rewards(objective: Objective, batch: RolloutBatch, group_size: int) -
     return objective.shape_rewards(batch.rewards.view(-1, G), batch.lengths.view(-1, G), batch.truncated.view(-1, G))
 
 
-def group_filter(objective: Objective, batch: RolloutBatch, shaped: Tensor, group_size: int) -> Tensor:
-    """bool [B]: the groups the objective trains on, judged on the shaped rewards and the raw reward components."""
+def group_filter(objective: Objective, batch: RolloutBatch, shaped: Tensor, group_size: int,
+                 pass_key: str = "accuracy") -> Tensor:
+    """bool [B]: the groups the objective trains on, judged on the shaped rewards, the raw reward components and each
+    completion's verdict by the task's pass criterion, the component named `pass_key` (`gpo.types.passes`; none
+    when the batch lacks that component)."""
     components = {k: v.view(-1, group_size) for k, v in batch.reward_components.items()}  # name -> [B, G]
-    return objective.group_filter(shaped, components)
+    passed = passes(components[pass_key]) if pass_key in components else None  # [B, G]
+    if passed is None or not takes_verdicts(objective):  # a plug-in written against the two-argument filter
+        return objective.group_filter(shaped, components)
+    return objective.group_filter(shaped, components, passed=passed)
 
 
-def score_groups(objective: Objective, batch: RolloutBatch, group_size: int) -> tuple[RolloutBatch, Tensor]:
+def takes_verdicts(objective: Objective) -> bool:
+    """Whether the objective's `group_filter` takes the `passed` verdicts (every built-in does; a plug-in's
+    override from before they existed takes only rewards and components, and keeps working)."""
+    try:
+        parameters = inspect.signature(objective.group_filter).parameters
+    except (TypeError, ValueError):
+        return True
+    return "passed" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def score_groups(objective: Objective, batch: RolloutBatch, group_size: int,
+                 pass_key: str = "accuracy") -> tuple[RolloutBatch, Tensor]:
     """The batch with shaped rewards and advantages (over each whole group, before any pruning), and the group
-    filter's verdict [B]. `batch` holds whole groups of `group_size` contiguous rows."""
+    filter's verdict [B]. `batch` holds whole groups of `group_size` contiguous rows; `pass_key` names the task's
+    pass criterion (`gpo.types.pass_criterion`), what DAPO's filter and the selectors judge by."""
     shaped = shaped_rewards(objective, batch, group_size)  # [B, G]
-    keep = group_filter(objective, batch, shaped, group_size)  # [B]
+    group_mask = group_filter(objective, batch, shaped, group_size, pass_key)  # [B]
     advantages = objective.advantages(shaped)  # [B, G]
-    return dataclasses.replace(batch, rewards=shaped.flatten(), advantages=advantages.flatten()), keep
+    return dataclasses.replace(batch, rewards=shaped.flatten(), advantages=advantages.flatten()), group_mask
 
 
-def kept_rows(pruner: Pruner, batch: RolloutBatch, group_keep: Tensor, group_size: int,
+def kept_rows(pruner: Pruner, batch: RolloutBatch, group_mask: Tensor, group_size: int,
               multiple_of: int = 1) -> tuple[RolloutBatch, Tensor]:
-    """The rows of the groups the filter kept, and the pruner's mask over them ([N_kept_groups] bool), topped up by
-    the pruner's own score to a multiple of `multiple_of` (the world size: every rank trains as many rows)."""
-    candidates = batch.select(group_keep.repeat_interleave(group_size))
+    """The rows of the groups the filter let through (`group_mask` [B]), and the pruner's mask over them (bool, one per
+    such row), topped up by the pruner's own score to a multiple of `multiple_of` (the world size: every rank trains
+    as many rows)."""
+    candidates = batch.select(group_mask.repeat_interleave(group_size))
     if len(candidates) == 0:
         return candidates, torch.zeros(0, dtype=torch.bool)
     return candidates, pruner.keep(candidates, multiple_of=multiple_of)
@@ -68,56 +88,66 @@ def within_staleness(rows: RolloutBatch, step: int, max_staleness: int) -> tuple
     return (rows if bool(within.all()) else rows.select(within)), staleness
 
 
+def with_loss_mask(objective: Objective, batch: RolloutBatch) -> RolloutBatch:
+    """`batch` with `loss_mask` filled from the objective's `loss_mask(batch)`, the one call per step: the step's
+    totals, the correction and every micro-batch's loss then read the field (selecting, concatenating, moving and
+    sharding rows carry it). A batch whose mask is filled already is returned as it is."""
+    if batch.loss_mask is not None:
+        return batch
+    return dataclasses.replace(batch, loss_mask=objective.loss_mask(batch))
+
+
 def step_totals(objective: Objective, batch: RolloutBatch) -> StepTotals:
     """Rows and loss tokens of `batch`: what the objective divides by (summed over ranks for a multi-rank step).
 
-    Tokens the correction dropped (`batch.is_keep`) do not count, and a row whose every loss token it dropped
+    Tokens the correction dropped (`batch.is_mask`) do not count, and a row whose every loss token it dropped
     leaves the row count; a row the objective itself masks whole (e.g. DAPO's truncated rows) still counts."""
-    mask = objective.loss_mask(batch).bool()  # [N, L]
+    mask = loss_mask_of(objective, batch).bool()  # [N, L]
     counted = batch.counted(mask)  # [N, L]
     dropped_rows = int((mask.any(dim=1) & ~counted.any(dim=1)).sum())
     return StepTotals(sequences=len(batch) - dropped_rows, tokens=int(counted.sum()))
 
 
-def corrected(correction: Correction, objective: Objective, batch: RolloutBatch, trainer_logp: Tensor,
+def corrected(correction: Correction, objective: Objective, batch: RolloutBatch, old_logprobs: Tensor,
               may_mask: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
-    """`batch` (which has the generator's log-probs) with the correction's weights and keep mask (`is_weights`,
-    `is_keep`), from pi_old's log-probs `trainer_logp` [N, L], and the counts its metrics are made of.
+    """`batch` (which has the generator's log-probs) with the correction's weights and token mask (`is_weights`,
+    `is_mask`), from pi_old's log-probs `old_logprobs` [N, L], and the counts its metrics are made of.
 
     The counts are sums over the objective's loss tokens (and `_max` maxima), to be summed over micro-batches and
     ranks before `gpo.metrics.mismatch_metrics` divides them. `may_mask` False: the caller has counted the step's
     tokens already, so a correction that drops a token here is an error."""
-    if batch.sampler_logprobs is None:
-        raise ValueError("corrected() needs a batch with the generator's log-probs (sampler_logprobs)")
-    mask = objective.loss_mask(batch).bool().to(trainer_logp.device)  # [N, L]
-    trainer = trainer_logp.detach().float()
-    generator = batch.sampler_logprobs.to(trainer.device).float()
-    out = correction.correct(trainer, generator, mask)
-    if not may_mask and bool((mask & ~out.keep).any()):
+    if batch.generator_logprobs is None:
+        raise ValueError("corrected() needs a batch with the generator's log-probs (generator_logprobs)")
+    loss_mask = loss_mask_of(objective, batch).bool().to(old_logprobs.device)  # [N, L]
+    old = old_logprobs.detach().float()
+    generator = batch.generator_logprobs.to(old.device).float()
+    out = correction.correct(old, generator, loss_mask)
+    if not may_mask and bool((loss_mask & ~out.mask).any()):
         raise ValueError(f"{type(correction).__name__} dropped tokens but declares masks = False; set masks = True "
                          f"so that the engine knows pi_old before it counts the step's tokens")
-    return (dataclasses.replace(batch, is_weights=out.weights.detach(), is_keep=out.keep),
-            mismatch_counts(trainer, generator, mask, out.weights, out.keep, out.truncated))
+    return (dataclasses.replace(batch, is_weights=out.weights.detach(), is_mask=out.mask),
+            mismatch_counts(old, generator, loss_mask, out.weights, out.mask, out.truncated))
 
 
-def mismatch_counts(trainer_logp: Tensor, generator_logp: Tensor, mask: Tensor, weights: Tensor, keep: Tensor,
+def mismatch_counts(old_logprobs: Tensor, generator_logprobs: Tensor, mask: Tensor, weights: Tensor, is_mask: Tensor,
                     truncated: Tensor) -> dict[str, float]:
-    """Sums over the loss tokens (`mask`, [N, L]) of d = log pi_old - log pi_gen and of the correction's work.
+    """Sums over the loss tokens (`mask`, [N, L]) of d = log pi_old - log pi_generator and of the correction's work
+    (`weights`, its token mask `is_mask`, the `truncated` tokens).
 
-    `kl_sum` sums k3 = exp(d) - 1 - d, Schulman's estimator of KL(pi_gen || pi_old) from tokens sampled by the
-    generator (r = pi_old / pi_gen, k3 = (r - 1) - log r >= 0). `logp_abs_max` is a maximum (-inf without tokens).
+    `kl_sum` sums k3 = exp(d) - 1 - d, Schulman's estimator of KL(pi_generator || pi_old) from tokens sampled by the
+    generator (r = pi_old / pi_generator, k3 = (r - 1) - log r >= 0). `logp_abs_max` is a maximum (-inf without tokens).
     """
     m = mask.bool()
-    d = (trainer_logp.double() - generator_logp.double())[m]  # [tokens]
-    kept, dropped, capped = keep & m, ~keep & m, truncated & m  # [N, L] each
+    d = (old_logprobs.double() - generator_logprobs.double())[m]  # [tokens]
+    left, dropped, capped = is_mask & m, ~is_mask & m, truncated & m  # [N, L] each
     return {
         "tokens": float(m.sum()),
         "rows": float(m.any(dim=1).sum()),
         "logp_abs_sum": float(d.abs().sum()),
         "logp_abs_max": float(d.abs().max()) if d.numel() else -math.inf,
         "kl_sum": float((torch.exp(d) - 1 - d).sum()),
-        "kept": float(kept.sum()),
-        "weight_sum": float(weights.double()[kept].sum()),
+        "left": float(left.sum()),
+        "weight_sum": float(weights.double()[left].sum()),
         "truncated": float(capped.sum()),
         "masked": float(dropped.sum()),
         "truncated_rows": float(capped.any(dim=1).sum()),
@@ -128,7 +158,9 @@ def mismatch_counts(trainer_logp: Tensor, generator_logp: Tensor, mask: Tensor, 
 def loss_shares(objective: Objective, batch: RolloutBatch, logp: Tensor, micro_batch_size: int,
                 totals: StepTotals | None = None) -> list[tuple[Tensor, dict[str, Tensor]]]:
     """Each micro-batch's share of the step loss and its metrics, given the whole batch's log-probs `logp` [N, L].
-    The shares sum to the step loss whatever `micro_batch_size` is; `totals` defaults to this batch's own."""
+    The shares sum to the step loss whatever `micro_batch_size` is; `totals` defaults to this batch's own. The
+    objective's loss mask is computed once, for the whole batch (`with_loss_mask`)."""
+    batch = with_loss_mask(objective, batch)
     totals = totals or step_totals(objective, batch)
     out, row = [], 0
     for mb in micro_batches(batch, micro_batch_size):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import torch
 from torch import Tensor
@@ -34,10 +34,17 @@ class RolloutBatch:
     owner_rank: Tensor  # [N] long: rank that generated the row (scope `rank` prunes within it)
     old_logprobs: Tensor | None = None  # [N, L] filled after pruning, only when needed
     ref_logprobs: Tensor | None = None  # [N, L]
-    sampler_logprobs: Tensor | None = None  # [N, L] the generator's own, from backends that report them (vllm)
+    # [N, L] log pi_generator: the generator's log-probs of the tokens it sampled, from backends that report them
+    # (Backend.generator_logprobs); None otherwise
+    generator_logprobs: Tensor | None = None
     # The generator/trainer correction's, set by the engine once pi_old is known (gpo.step_math.corrected):
     is_weights: Tensor | None = None  # [N, L] per-token loss weights
-    is_keep: Tensor | None = None  # bool [N, L] tokens left in the loss; None: every one
+    is_mask: Tensor | None = None  # bool [N, L] the token mask: tokens left in the loss; None: every one
+    # bool/float [N, L]: the completion tokens the loss sees, the objective's `loss_mask(batch)` filled once per step
+    # on its kept rows (gpo.step_math.with_loss_mask) so the step's totals, the correction and the loss read one
+    # mask; a token outside it (padding, a truncated row DAPO masks, later a tool's output) is never trained on.
+    # None: not filled yet, and a reader asks the objective (`loss_mask_of`)
+    loss_mask: Tensor | None = None
     # [N] long: the policy version (optimizer steps taken) whose weights generated the row; a step's staleness
     # bound (train.max_staleness) is checked on it
     versions: Tensor | None = None
@@ -51,10 +58,10 @@ class RolloutBatch:
         return self.completion_mask.sum(dim=1)  # [N]
 
     def counted(self, loss_mask: Tensor) -> Tensor:
-        """bool [N, L]: the loss tokens that count, `loss_mask` less those the correction dropped (`is_keep`). The
+        """bool [N, L]: the loss tokens that count, `loss_mask` less those the correction dropped (`is_mask`). The
         step's totals and the loss both read this, so a dropped token leaves every denominator."""
         m = loss_mask.bool()
-        return m if self.is_keep is None else m & self.is_keep.to(m.device)
+        return m if self.is_mask is None else m & self.is_mask.to(m.device)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         def move(x: Any) -> Any:
@@ -66,9 +73,10 @@ class RolloutBatch:
 
         return RolloutBatch(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
-    def select(self, keep: Tensor) -> RolloutBatch:
-        """The rows where `keep` is true (order preserved), with padding re-trimmed to the kept rows' maximum."""
-        rows = keep.nonzero(as_tuple=True)[0] if keep.dtype == torch.bool else keep
+    def select(self, rows: Tensor) -> RolloutBatch:
+        """The rows of a bool mask [N] or an index tensor (order preserved), with padding re-trimmed to the chosen
+        rows' maximum."""
+        rows = rows.nonzero(as_tuple=True)[0] if rows.dtype == torch.bool else rows
 
         def take(x: Any) -> Any:
             if isinstance(x, Tensor):
@@ -98,9 +106,10 @@ class RolloutBatch:
             completion_mask=self.completion_mask[:, :width],
             old_logprobs=cut(self.old_logprobs),
             ref_logprobs=cut(self.ref_logprobs),
-            sampler_logprobs=cut(self.sampler_logprobs),
+            generator_logprobs=cut(self.generator_logprobs),
             is_weights=cut(self.is_weights),
-            is_keep=cut(self.is_keep),
+            is_mask=cut(self.is_mask),
+            loss_mask=cut(self.loss_mask),
         )
 
     @staticmethod
@@ -143,9 +152,10 @@ class RolloutBatch:
             owner_rank=cat("owner_rank"),
             old_logprobs=cat_optional("old_logprobs"),
             ref_logprobs=cat_optional("ref_logprobs"),
-            sampler_logprobs=cat_optional("sampler_logprobs"),
+            generator_logprobs=cat_optional("generator_logprobs"),
             is_weights=cat_optional("is_weights"),
-            is_keep=cat_optional("is_keep"),
+            is_mask=cat_optional("is_mask"),
+            loss_mask=cat_optional("loss_mask"),
             versions=cat_optional("versions"),
             reward_components={
                 k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components
@@ -166,11 +176,12 @@ class StepTotals:
 
 @dataclass(frozen=True)
 class Corrected:
-    """What a correction returns for rows of [n, L] tokens. Outside the loss mask: weight 1, kept, not truncated."""
+    """What a correction returns for rows of [n, L] tokens. Outside the loss mask: weight 1, in the token mask, not
+    truncated. The engine carries `weights` and `mask` in the batch as `RolloutBatch.is_weights` and `is_mask`."""
 
     weights: Tensor  # [n, L] per-token loss weights, 0 where dropped; no gradient
-    keep: Tensor  # bool [n, L]: tokens left in the loss (and in its denominators)
-    truncated: Tensor  # bool [n, L]: kept tokens whose weight was capped
+    mask: Tensor  # bool [n, L]: the token mask, tokens left in the loss (and in its denominators)
+    truncated: Tensor  # bool [n, L]: tokens left in the loss whose weight was capped
 
 
 @dataclass
@@ -229,9 +240,12 @@ class Objective(Protocol):
     def shape_rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor) -> Tensor:
         """[B, G] -> [B, G], e.g. DAPO's soft overlong penalty. Identity by default."""
 
-    def group_filter(self, rewards: Tensor, components: dict[str, Tensor]) -> Tensor:
+    def group_filter(self, rewards: Tensor, components: dict[str, Tensor], passed: Tensor | None = None) -> Tensor:
         """Shaped rewards [B, G] and the task's raw reward components (name -> [B, G], e.g. "accuracy", "format")
-        -> bool [B]: groups to keep (DAPO dynamic sampling drops groups whose accuracy is all equal)."""
+        -> bool [B]: the groups the objective trains on (DAPO's dynamic sampling drops groups whose completions all
+        pass or all fail). `passed` (bool [B, G]) is each completion's verdict by the task's pass criterion
+        (`passes`), whatever component the task names; the step always gives it when the task reports that
+        component. A caller without it (None) leaves the objective to read the `accuracy` component."""
 
     def advantages(self, rewards: Tensor) -> Tensor:
         """[B, G] -> [B, G]."""
@@ -239,11 +253,20 @@ class Objective(Protocol):
     def loss_mask(self, batch: RolloutBatch) -> Tensor:
         """[N, L]: tokens that count in the loss (completion_mask, minus rows the objective masks, e.g. truncated).
 
-        The engine computes `StepTotals` from it and passes `loss` the same rows.
+        Called once per step, on the step's kept rows: its result becomes `RolloutBatch.loss_mask`, which the step's
+        `StepTotals`, the correction and `loss` all read (`loss_mask_of`). It must decide each row from that row
+        alone, so the mask of a micro-batch is the step's mask of those rows.
         """
 
     def loss(self, logp: Tensor, batch: RolloutBatch, totals: StepTotals) -> tuple[Tensor, dict[str, Tensor]]:
-        """This micro-batch's share of the step loss (the engine sums the shares) and detached metrics."""
+        """This micro-batch's share of the step loss (the engine sums the shares) and detached metrics, over the
+        tokens of `loss_mask_of(self, batch)` (the batch's filled `loss_mask`)."""
+
+
+def loss_mask_of(objective: Objective, batch: RolloutBatch) -> Tensor:
+    """[N, L]: the tokens the loss sees, `batch.loss_mask` where the step filled it, else the objective's
+    `loss_mask(batch)` (a hand-made batch): what every reader of the loss mask calls."""
+    return objective.loss_mask(batch) if batch.loss_mask is None else batch.loss_mask
 
 
 class Pruner(Protocol):
@@ -332,13 +355,14 @@ class Correction(Protocol):
     result on every rank."""
 
     # True when `correct` may drop tokens: the engine then computes pi_old (a no-grad pass) before it counts the
-    # step's loss tokens. False: `keep` is all true, and with train.mu == 1 pi_old is the training pass's own
-    # detached log-probs.
+    # step's loss tokens. False: the returned `mask` is all true, and with train.mu == 1 pi_old is the training
+    # pass's own detached log-probs.
     masks: bool
 
-    def correct(self, trainer_logp: Tensor, generator_logp: Tensor, mask: Tensor) -> Corrected:
-        """pi_old's log-probs [n, L] (the trainer's, no gradient), the generator's [n, L] and the loss mask [n, L]
-        -> per-token weights, the keep mask and the truncated tokens."""
+    def correct(self, old_logprobs: Tensor, generator_logprobs: Tensor, loss_mask: Tensor) -> Corrected:
+        """pi_old's log-probs [n, L] (the trainer's, no gradient), the generator's [n, L] (log pi_generator) and the
+        objective's loss mask [n, L] -> per-token weights, the token mask (tokens left in the loss) and the
+        truncated tokens."""
 
 
 class Task(Protocol):
@@ -358,15 +382,33 @@ class Task(Protocol):
 
 
 def pass_criterion(task: Any) -> str:
-    """The reward component whose positive value means a completion is right: a task's `pass_criterion`
+    """The reward component that says whether a completion is right (see `passes`): a task's `pass_criterion`
     attribute (the built-in tasks declare "accuracy"; `task=dataset` may name one of the user's rewards)."""
     return getattr(task, "pass_criterion", "accuracy")
 
 
-def passes(criterion: Tensor) -> Tensor:
-    """bool [n]: the completions a pass-criterion component marks right, by its sign (GSM8K's accuracy is 2 for
-    the exact answer, 1.5 for an equal number, 0 when wrong: both positive scores pass)."""
-    return criterion > 0
+# A completion passes when its pass-criterion component is above this. 0: any positive score is right (GSM8K's
+# accuracy is 2 for the exact answer, 1.5 for an equal number, 0 when wrong: both positive scores pass).
+PASS_THRESHOLD = 0.0
+
+
+@overload
+def passes(criterion: Tensor, threshold: float = PASS_THRESHOLD) -> Tensor: ...
+
+
+@overload
+def passes(criterion: float, threshold: float = PASS_THRESHOLD) -> bool: ...
+
+
+def passes(criterion: Tensor | float, threshold: float = PASS_THRESHOLD) -> Tensor | bool:
+    """The one rule for "right": a completion passes when its pass-criterion component is > `threshold`.
+
+    bool [n] for a tensor of scores, a bool for one score. Everything that decides "right" calls it: DAPO's group
+    filter (through the step), the selectors (`QuestionRewards.passed`), a step's `reward/success_rate`, and the
+    tasks' `grade`, hence evaluation's accuracy, pass@k and maj@n."""
+    if isinstance(criterion, Tensor):
+        return criterion > threshold
+    return bool(criterion > threshold)
 
 
 class Backend(Protocol):
@@ -386,9 +428,10 @@ class Backend(Protocol):
         backend that declares `per_prompt_counts = True` is given a list, n[i] completions for prompt i; the
         engine then generates a round's second phase and the next round's first phase in one call."""
 
-    def sampled_logprobs(self) -> list[list[float]] | None:
-        """The generator's log-prob of each token the last `generate` returned (same layout): log softmax(logits / T)
-        before top-p truncation, as the trainer computes it. None when it reports none (a greedy call)."""
+    def generator_logprobs(self) -> list[list[float]] | None:
+        """log pi_generator: the generator's log-prob of each token the last `generate` returned (same layout), log
+        softmax(logits / temperature) before top-p truncation, as the trainer computes it. None when it reports none
+        (a greedy call)."""
 
     def sync_weights(self, model: Any) -> None: ...
 

@@ -1,8 +1,8 @@
 """What every selector shares, so each selector module is only its difference: the Selector interface's defaults
 (gpo/types.py), how a question's completions are judged (`judge_on`), and the floor of the selection pass rate.
 
-Judging. SPEED-RL, GRESO and MoPPS state their rules on a question's pass rate, the share of its completions that a
-verifier marks right; DAPO's group filter reads the same criterion (algo.filter_on, algorithms/dapo.py). With
+Judging. SPEED-RL, GRESO and MoPPS state their rules on a question's success rate, the share of its completions that
+a verifier marks right; DAPO's group filter reads the same criterion (algo.filter_on, algorithms/dapo.py). With
 `judge_on=accuracy` (the default) a completion passes by the task's pass criterion (`QuestionRewards.passed`: the
 `accuracy` component unless the task names another), so a format bonus never makes a wrong answer count as right
 (GSM8K and MATH weigh format 1.0: a well-formatted wrong answer totals 1.0); a task without that component is judged
@@ -81,13 +81,13 @@ class JudgingSelector(SelectorBase):
     def passes(self, r: QuestionRewards) -> Tensor:
         """bool [n]: the completions that count as right."""
         passed = self.criterion(r)
-        return r.total >= self.cfg.success_threshold if passed is None else passed >= 0.5
+        return r.total >= self.cfg.success_threshold if passed is None else passed.bool()
 
     def successes(self, r: QuestionRewards) -> int:
         return int(self.passes(r).sum())
 
     def outcome(self, r: QuestionRewards) -> Outcome:
-        """all_pass (pass rate 1), all_fail (pass rate 0), or None for a mixed question. "No variance" is
+        """all_pass (success rate 1), all_fail (success rate 0), or None for a mixed question. "No variance" is
         gpo.ops.no_variance of the judged values: exact on the 0/1 pass criterion, within `tolerance` on totals."""
         passed = self.criterion(r)
         flat = no_variance(r.total, self.cfg.tolerance) if passed is None else no_variance(passed, 0.0)

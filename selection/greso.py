@@ -2,8 +2,8 @@
 
 Relative to GRPO: a question whose groups had zero variance the last z times it was drawn (a streak over past
 epochs of a finite pool) is skipped with probability 1 - max(p^z, p_min), so questions that keep giving all-right
-(easy: pass rate 1) or all-wrong (hard: pass rate 0) groups stop costing rollouts, while every one keeps a chance to
-come back. Right and wrong are the task's pass criterion (`judge_on=accuracy`, selection/base.py), so eight
+(easy: success rate 1) or all-wrong (hard: success rate 0) groups stop costing rollouts, while every one keeps a
+chance to come back. Right and wrong are the task's pass criterion (`judge_on=accuracy`, selection/base.py), so eight
 well-formatted wrong answers are a hard group, never an easy one.
 Easy and hard streaks have their own base probability p_easy / p_hard, adapted after every round: when the
 zero-variance share of that kind among the groups just generated is at or above its target, p drops by `adjust_step`

@@ -72,16 +72,16 @@ class Mopps(JudgingSelector):
         beta = torch.tensor([b for _, b in ab], dtype=torch.float64)
         sampled = beta_sample(alpha, beta, seed)  # [n]
         if C.band is not None:
-            keep = ((sampled >= C.band[0]) & (sampled <= C.band[1])).tolist()
-            self.kept_frac = sum(keep) / len(keep)
+            chosen = ((sampled >= C.band[0]) & (sampled <= C.band[1])).tolist()
+            self.kept_frac = sum(chosen) / len(chosen)
         else:
-            n_keep = math.ceil(C.keep_fraction * len(questions))
+            n_chosen = math.ceil(C.keep_fraction * len(questions))
             # Ties in distance break by position (a stable sort), never by an unspecified order.
-            order = torch.sort((sampled - C.target).abs(), stable=True).indices[:n_keep]
-            keep = [False] * len(questions)
+            order = torch.sort((sampled - C.target).abs(), stable=True).indices[:n_chosen]
+            chosen = [False] * len(questions)
             for i in order.tolist():
-                keep[i] = True
-        return [group_size if k else 0 for k in keep]
+                chosen[i] = True
+        return [group_size if c else 0 for c in chosen]
 
     def observe(self, questions: list[int], rewards: list[QuestionRewards], step: int) -> None:
         C = self.cfg

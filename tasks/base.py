@@ -15,7 +15,7 @@ from typing import Any
 from gpo.schema import NonNegative, NonNegativeInt
 from gpo.tasks.answers import answer_tag, r1_formatted, weighted_rewards
 from gpo.tasks.data import BadRows, DataDir, DataSource, SplitCache, read_rows, resolve
-from gpo.types import Example, Grade, Messages, Rewards
+from gpo.types import Example, Grade, Messages, Rewards, passes
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class DatasetTask:
 
     def grade(self, completions: list[str], examples: list[Example]) -> list[Grade]:
         acc, _ = self.judge(completions, examples)
-        return [Grade(extracted=self.extract(c), gold=ex["gold"], correct=a > 0, formatted=r1_formatted(c))
+        return [Grade(extracted=self.extract(c), gold=ex["gold"], correct=passes(a), formatted=r1_formatted(c))
                 for c, ex, a in zip(completions, examples, acc, strict=True)]
 
     def close(self) -> None:

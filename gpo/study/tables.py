@@ -225,9 +225,9 @@ def group_csv_rows(summary: Sequence[dict[str, Any]]) -> tuple[list[str], list[d
 
 def pruning_rate(record: RunRecord) -> float | None:
     """P of the run: pruner.rate, or 1 - keep/G, or 0 without pruning; None for pruners with neither."""
-    p = record.params
-    keep, rate, size = p.get("pruner.keep"), p.get("pruner.rate"), p.get("train.group_size")
-    if p.get("pruner.name") == "none":
+    params = record.params
+    keep, rate, size = params.get("pruner.keep"), params.get("pruner.rate"), params.get("train.group_size")
+    if params.get("pruner.name") == "none":
         return 0.0
     if _given(keep) and _given(size):
         return 1.0 - float(keep) / float(size)

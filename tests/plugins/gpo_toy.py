@@ -31,9 +31,10 @@ class ToyTask:
 
     def reward(self, completions: list[str], examples: list[dict]) -> Rewards:
         lengths = [len(c) / 100 for c in completions]
-        # The length score is this toy's only notion of being right, so it is also its `accuracy` component
-        # (what DAPO's dynamic sampling filters on).
-        return Rewards(total=lengths, components={"accuracy": lengths})
+        # Its pass criterion (`accuracy`, what DAPO's dynamic sampling and the selectors judge by) is a coin flip
+        # per completion: an even length passes. A group of 4 is then mixed 7 times in 8, as real tasks' groups are
+        # for a model at mid accuracy; the length itself would pass every non-empty completion.
+        return Rewards(total=lengths, components={"accuracy": [float(len(c) % 2 == 0) for c in completions]})
 
     def grade(self, completions: list[str], examples: list[dict]) -> list[Grade]:
         return [Grade(extracted=c[-3:], gold=e["answer"], correct=c.strip().endswith(e["answer"]), formatted=True)

@@ -1,4 +1,4 @@
-"""Selectors judge a question by its pass rate, as their papers define the rules, on GSM8K/MATH-shaped rewards
+"""Selectors judge a question by its success rate, as their papers define the rules, on GSM8K/MATH-shaped rewards
 (total = 1.0 * format + 1.0 * accuracy) and arith-shaped ones (total = 0.1 * format + 1.0 * accuracy); `dapo`'s
 group filter, `screen`, `greso` and `mopps` agree on what all right and all wrong mean; and every selector's state
 survives the checkpoint's JSON round trip."""
@@ -113,15 +113,15 @@ def test_greso_share_counts_only_generated_candidates():
     assert greso.p["hard"] == pytest.approx(0.49) and set(greso.streaks) == {0}
 
 
-# --- screen: continue only a screening pass rate strictly between 0 and 1 -----------------------------------------
+# --- screen: continue only a screening success rate strictly between 0 and 1 --------------------------------------
 
 @pytest.mark.parametrize("weight", [GSM8K, ARITH])
 def test_screen_drops_all_wrong_and_all_right_whatever_the_formatting(weight):
     screen = build("screen", n_screen=4)
     rows = [record([0] * 4, [1, 0, 1, 0], weight),  # all wrong, formatting differs: totals differ
             record([1] * 4, [1, 1, 0, 1], weight),  # all right, formatting differs
-            record([0, 1, 0, 0], [1] * 4, weight),  # pass rate 1/4
-            record([1, 1, 1, 0], [0, 1, 1, 0], weight),  # pass rate 3/4
+            record([0, 1, 0, 0], [1] * 4, weight),  # success rate 1/4
+            record([1, 1, 1, 0], [0, 1, 1, 0], weight),  # success rate 3/4
             record([0] * 4, [1] * 4, weight)]  # all wrong, equal totals
     assert screen.continue_after(list(range(5)), rows, 8) == [False, False, True, True, False]
     screen.observe(list(range(5)), rows, step=0)

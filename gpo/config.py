@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import sys
+import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, cast
@@ -26,7 +28,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gpo import registry
 from gpo.errors import UserError, did_you_mean
-from gpo.quota import kept_per_group
 from gpo.run_config import (
     KINDS,
     SECTIONS,
@@ -41,8 +42,9 @@ from gpo.run_config import (
     TrainConfig,
     as_dict,
     as_layer,
+    cannot_run_ahead,
 )
-from gpo.schema import not_a_section, valid_keys_hint, validated
+from gpo.schema import PRECISION_NAMES, RUN_CHECK, not_a_section, valid_keys_hint, validated
 
 __all__ = ["CheckpointConfig", "EngineConfig", "EvalConfig", "ModelConfig", "OptimConfig", "RunConfig",
            "StudyConfig", "TrainConfig", "as_layer", "choices", "compose", "split_args", "to_yaml", "validate",
@@ -77,6 +79,55 @@ def split_args(args: list[str]) -> tuple[dict[str, str], list[str]]:
     return picks, overrides
 
 
+def _override_layer(overrides: Sequence[str], holds_text: Callable[[str], bool] | None) -> DictConfig:
+    """The dotted overrides as one layer, each value read as YAML (`train.steps=10` a number, `[a,b]` a list).
+
+    A key whose field holds text (`holds_text(key)`) keeps the text as typed where YAML would read something else:
+    `task.user_template={q}` is a mapping to YAML, `Q: {q}` one too, and `{q} and {r}` no YAML at all; a quoted
+    value (`"{q}"`) and `null` stay as YAML reads them. With `holds_text` None (the components are not known yet)
+    a value YAML cannot read is left out, for the final parse to report."""
+    kept = []
+    for arg in overrides:
+        key, _, text = arg.partition("=")
+        try:
+            value = OmegaConf.select(OmegaConf.from_dotlist([arg]), key)
+        except Exception as exc:
+            if holds_text is not None and holds_text(key):
+                kept.append(f"{key}={json.dumps(text, ensure_ascii=False)}")  # a JSON string is a quoted YAML one
+            elif holds_text is not None:
+                raise UserError(f"cannot parse overrides {arg}: {' '.join(str(exc).split())}") from None
+            continue
+        if value is not None and not isinstance(value, str) and holds_text is not None and holds_text(key):
+            arg = f"{key}={json.dumps(text, ensure_ascii=False)}"
+        kept.append(arg)
+    return OmegaConf.from_dotlist(kept)
+
+
+def _text_fields(merged: DictConfig) -> Callable[[str], bool]:
+    """Whether a dotted key names a field whose type is text (`str` or `str | None`): a top-level field, a
+    section's or the picked component's (the one `merged` names), through nested dataclasses."""
+
+    def holds_text(key: str) -> bool:
+        first, *rest = key.split(".")
+        try:
+            if first in KINDS:
+                hint: Any = registry.get(first, str(OmegaConf.select(merged, f"{first}.name"))).config
+            elif first in SECTIONS:
+                hint = SECTIONS[first]
+            elif first in TOP_LEVEL:
+                hint, rest = RunConfig, [first, *rest]
+            else:
+                return False
+            for part in rest:
+                hint = typing.get_type_hints(hint).get(part) if dataclasses.is_dataclass(hint) else None
+        except Exception:  # an unknown component or a plug-in's unreadable annotation: validation names it
+            return False
+        options = set(typing.get_args(hint)) if typing.get_origin(hint) in (typing.Union, types.UnionType) else {hint}
+        return str in options and options <= {str, type(None)}
+
+    return holds_text
+
+
 # --- composition ----------------------------------------------------------------------------------------------
 
 
@@ -88,16 +139,10 @@ def _completion_length(prelim: DictConfig) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
-def _rollout_precision(prelim: DictConfig) -> str:
-    """backend.precision as the layers set it, `auto` as this machine resolves it (gpo.hardware), for backend=auto.
-    A value no backend takes is passed on as it is and refused by validation afterwards."""
-    value = OmegaConf.select(prelim, "backend.precision", default="auto")
-    if value != "auto":
-        return str(value)
+def _model_dtype(prelim: DictConfig) -> str:
+    """model.dtype as the layers set it (another name of a dtype as its own), for backend=auto's precision."""
     dtype = OmegaConf.select(prelim, "model.dtype", default="float32")
-    from gpo.hardware import auto_precision
-
-    return auto_precision(str(dtype))[0]
+    return str(PRECISION_NAMES.canonical(dtype, ("float32", "bfloat16", "float16")))
 
 
 def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
@@ -107,7 +152,7 @@ def compose(args: Sequence[str] = (), config_files: Sequence[str | Path] = (),
     notes = [auto_note] if auto_note else []
     cfg = validate(plain, notes)
     for note in notes:  # only for a valid config: an error message stays the one line it is
-        _say_once(note)
+        say_once(note)
     return cfg
 
 
@@ -133,24 +178,23 @@ def _merged(args: Sequence[str], config_files: Sequence[str | Path],
     for layer in stack:
         picked.update(layer.pop("defaults", None) or {})
     picked.update(picks)
-    try:
-        override_layer = OmegaConf.from_dotlist(overrides)
-    except Exception as exc:
-        raise UserError(f"cannot parse overrides {' '.join(overrides)}: {exc}") from exc
 
     # Plug-ins must be imported before group picks are resolved: they may bring components without YAML files.
     registry.load_builtins()
-    prelim = cast(DictConfig, OmegaConf.merge(base, *stack, override_layer))  # mappings merge into a mapping
+    prelim = cast(DictConfig, OmegaConf.merge(base, *stack, _override_layer(overrides, None)))
     registry.load_plugins(_as_list(prelim.get("plugins")))
     auto_note = None
     if picked.get("backend") == AUTO_BACKEND:
-        from gpo.backends import pick_auto
+        from gpo.backends import layered_precision, pick_auto
 
-        picked["backend"], why = pick_auto(_completion_length(prelim), _rollout_precision(prelim))
+        precision = layered_precision(OmegaConf.select(prelim, "backend"), _model_dtype(prelim))
+        picked["backend"], why = pick_auto(_completion_length(prelim), precision)
         auto_note = f"backend=auto picked `{picked['backend']}`: {why}."
 
     groups = OmegaConf.create({group: _group_node(group, name) for group, name in picked.items()})
-    merged = OmegaConf.merge(base, groups, *stack, override_layer)
+    # The components are known now, so each override's field type is: a text field keeps the text as typed.
+    picked_names = cast(DictConfig, OmegaConf.merge(base, groups, *stack, _override_layer(overrides, None)))
+    merged = OmegaConf.merge(base, groups, *stack, _override_layer(overrides, _text_fields(picked_names)))
     try:
         plain = cast(dict[str, Any], OmegaConf.to_container(merged, resolve=True))
     except Exception as exc:  # an interpolation `${...}` that points nowhere
@@ -172,7 +216,6 @@ def validate(raw: Mapping[str, Any], notes: list[str] | None = None) -> RunConfi
                             "experiment or file with `gpo study`.")
         if key not in top:
             raise UserError(f"unknown key `{key}`." + did_you_mean(str(key), top) + valid_keys_hint(top))
-    _refuse_moved_keys(raw)
     values: dict[str, Any] = {}
     for kind in KINDS:
         values[kind] = _component(kind, raw.get(kind))
@@ -187,6 +230,10 @@ def validate(raw: Mapping[str, Any], notes: list[str] | None = None) -> RunConfi
     if note and notes is not None:
         notes.append(note)
     _check_together(cfg)
+    for part in cfg.components().values():  # each component's own rules across sections (gpo.schema)
+        check = getattr(part.config, RUN_CHECK, None)
+        if callable(check):
+            check(cfg)
     return cfg
 
 
@@ -195,23 +242,23 @@ def _resolve_auto_precision(cfg: RunConfig) -> tuple[RunConfig, str | None]:
     that trains as well as float32: bf16 rollouts and updates where bfloat16 runs natively, float32 elsewhere (the
     measurements are in docs/precision.md). Where the pick is float32, vLLM keeps its own `auto` (float32 on CPU,
     the policy's dtype on GPU)."""
+    from gpo.backends import resolves_auto_precision, with_auto_precision
+
     mixed = cfg.engine.mixed_precision == "auto"
-    rollout = cfg.backend.name in ("hf", "vllm") and getattr(cfg.backend.config, "precision", None) == "auto"
-    if not (mixed or rollout):
+    if not (mixed or resolves_auto_precision(cfg.backend)):
         return cfg, None
     from gpo.hardware import auto_precision, mixed_precision
 
     pick, why = auto_precision(cfg.model.dtype)
-    rollout = rollout and (cfg.backend.name == "hf" or pick == "bf16")
+    backend, rollout = with_auto_precision(cfg.backend, pick)
     if not (mixed or rollout):
         return cfg, None
-    engine, backend, chosen = cfg.engine, cfg.backend, []
+    engine, chosen = cfg.engine, []
     if mixed:
         engine = dataclasses.replace(engine, mixed_precision=mixed_precision("auto", cfg.model.dtype))
         chosen.append(f"engine.mixed_precision={engine.mixed_precision}")
     if rollout:
-        backend = dataclasses.replace(backend, config=dataclasses.replace(backend.config, precision=pick))
-        chosen.append(f"backend.precision={pick}")
+        chosen.append(rollout)
     note = f"precision auto: {' '.join(chosen)} ({why})." if why else None  # a pin by the environment is not said
     return dataclasses.replace(cfg, engine=engine, backend=backend), note
 
@@ -273,64 +320,33 @@ def _component_entry(kind: str, node: Any) -> Any:
     return registry.get(kind, str(node["name"]))
 
 
-# Keys that left a section, and what says the same thing now.
-MOVED = {
-    ("algo", "is_correction"): "the correction is a component of its own: `correction=tis correction.level=token` "
-                               "(or sequence; `correction=none` for the old `none`, or `mis`, `icepop`)",
-    ("algo", "is_cap"): "the cap is `correction.cap` of `correction=tis` (the default correction)",
-}
-
-
-def _refuse_moved_keys(raw: Mapping[str, Any]) -> None:
-    for (section, key), instead in MOVED.items():
-        node = raw.get(section)
-        if isinstance(node, Mapping) and key in node:
-            raise UserError(f"`{section}.{key}` is no longer a setting: {instead}.")
-
-
 def _check_together(cfg: RunConfig) -> None:
-    """Rules that involve two fields, or the registry."""
-    E = cfg.eval
-    too_big = [k for k in E.pass_k if k > E.samples]
+    """Rules that involve two fields of the plain sections, or the registry. A component's own rules across
+    sections are its config's `check_run` (gpo.schema), called after these."""
+    eval_cfg = cfg.eval
+    too_big = [k for k in eval_cfg.pass_k if k > eval_cfg.samples]
     if too_big:
-        raise UserError(f"eval.pass_k holds {too_big[0]}, more than eval.samples={E.samples}: pass@k needs at least "
-                        f"k samples per question (raise eval.samples or drop that k).")
+        raise UserError(f"eval.pass_k holds {too_big[0]}, more than eval.samples={eval_cfg.samples}: pass@k needs "
+                        f"at least k samples per question (raise eval.samples or drop that k).")
     if cfg.engine.offload and cfg.engine.deepspeed_stage == 0:
         raise UserError("engine.offload needs DeepSpeed: set engine.deepspeed_stage=2 or 3 (engine=zero2 / zero3).")
     _check_precision(cfg)
     _check_async(cfg)
-    for name in E.tasks:  # scored at the end of the run: a typo must fail now, not after training
+    for name in eval_cfg.tasks:  # scored at the end of the run: a typo must fail now, not after training
         registry.get("task", str(name))
-    G = cfg.train.group_size
-    n_screen = getattr(cfg.selector.config, "n_screen", None)  # screen's, or a plug-in's of the same meaning
-    if isinstance(n_screen, int) and n_screen >= G:
-        raise UserError(f"selector.n_screen={n_screen} is not smaller than train.group_size={G}: screening draws "
-                        f"n_screen of a group's G completions first, so it must be < {G} (lower selector.n_screen, "
-                        f"raise train.group_size, or use selector=none).")
-    P = cfg.pruner.config
-    if hasattr(P, "rate") and hasattr(P, "keep"):  # a quota pruner (topk, random): k per group must be in 1..G
-        try:
-            kept_per_group(G, rate=P.rate, keep=P.keep)
-        except UserError as exc:
-            raise UserError(f"`pruner.{'keep' if P.keep is not None else 'rate'}` with train.group_size={G}: "
-                            f"{exc}") from None
-    floor = getattr(P, "min_keep_per_group", None)
-    if isinstance(floor, int) and floor > G:
-        raise UserError(f"pruner.min_keep_per_group={floor} is more than train.group_size={G}: a group cannot keep "
-                        f"more rows than it has (use at most {G}).")
 
 
 def _check_async(cfg: RunConfig) -> None:
     """What a generator running ahead (train.max_staleness >= 1, gpo/generator.py) supports so far."""
-    k = cfg.train.max_staleness
-    if cfg.train.weight_updates == "inflight" and not k:
+    max_staleness = cfg.train.max_staleness
+    if cfg.train.weight_updates == "inflight" and not max_staleness:
         raise UserError("train.weight_updates=inflight hands newer weights to a generator running ahead, and "
                         "train.max_staleness=0 runs none (every step already generates with the newest weights): "
                         "set train.max_staleness >= 1, or drop train.weight_updates.")
-    if cfg.engine.generator == "ray" and not k:
+    if cfg.engine.generator == "ray" and not max_staleness:
         raise UserError("engine.generator=ray places a generator running ahead, and train.max_staleness=0 runs none: "
                         "set train.max_staleness >= 1, or drop engine.generator.")
-    if not k:
+    if not max_staleness:
         return
     why = None
     if cfg.engine.deepspeed_stage:
@@ -339,14 +355,8 @@ def _check_async(cfg: RunConfig) -> None:
         why = "on a Ray actor (engine.generator=ray) needs Ray: pip install 'gpo[ray]' (or pip install ray)"
     elif cfg.backend.name not in ("hf", "vllm"):
         why = f"generates with backend=hf or backend=vllm; backend={cfg.backend.name} is lockstep only"
-    elif getattr(cfg.backend.config, "decode", "gpo") != "gpo":
-        why = ("needs the generator's log-probs of its tokens, which backend.decode=generate does not report; use "
-               "backend.decode=gpo")
-    elif getattr(cfg.backend.config, "report_logprobs", True) is False:
-        why = "needs the generator's log-probs of its tokens (the behaviour policy): set backend.report_logprobs=true"
-    if why:
-        raise UserError(f"train.max_staleness={k}: a generator running ahead {why}. Use train.max_staleness=0 "
-                        f"for this setup.")
+    if why:  # what a backend's own settings allow is its config's check_run
+        raise cannot_run_ahead(cfg, why)
 
 
 def _check_precision(cfg: RunConfig) -> None:
@@ -380,7 +390,7 @@ def _plain(value: Any) -> Any:
 _said: set[str] = set()
 
 
-def _say_once(message: str) -> None:
+def say_once(message: str) -> None:
     """A note for the user, printed once per process (composition runs more than once in a study or a test)."""
     if message not in _said:
         _said.add(message)

@@ -4,13 +4,15 @@ the model has loaded.
 
 The config's own values are checked when it is composed (gpo.schema, gpo.config); what is checked here depends on
 the environment: files and folders that must exist or be writable, and packages that must be installed. Nothing
-heavy is imported (gpo.checkpoint needs only the standard library) and nothing is written.
+heavy is imported (gpo.checkpoint needs only the standard library) and nothing is left behind: the one thing
+written is an empty folder, made and removed at once, to learn whether the run folder can be created at all.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -51,6 +53,13 @@ def check_output_dir(cfg: RunConfig) -> None:
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{key}={value}: cannot write the run folder {target}: no write permission on {path}; "
                         f"{fix}, or make {path} writable.")
+    # os.access answers from the permission bits, which root passes even where the system refuses every folder
+    # (/proc, a read-only mount, a server that maps root to nobody): only making one tells.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gpo-write-check-", dir=path))
+    except OSError as exc:
+        raise UserError(f"{key}={value}: cannot create the run folder {target}: the system refuses to make a folder "
+                        f"in {path} ({exc.strerror or exc}); {fix}.") from None
 
 
 def check_resume(cfg: RunConfig) -> None:
@@ -107,21 +116,42 @@ def check_tracker(cfg: RunConfig) -> None:
 
 def check_precision(cfg: RunConfig) -> None:
     """16-bit compute this machine runs: fp16 only on a CUDA GPU (Accelerate scales the loss there; on CPU it
-    neither autocasts nor scales, so fp16 would silently train in float32), bf16 on CPU or a GPU that has it.
-    torch is imported only when a 16-bit precision is asked for."""
+    neither autocasts nor scales, so fp16 would silently train in float32), bf16 wherever bfloat16 computes at all.
+    Where bf16 is only emulated (no native bfloat16: AVX2 CPUs, GPUs before compute capability 8.0) a bf16 the user
+    asked for still runs, and the run says once that it is slower. torch is imported only when a 16-bit precision
+    is asked for."""
     asked = {key: value for key, value in (("mixed_precision", cfg.engine.mixed_precision),
                                             ("logprob_precision", cfg.engine.logprob_precision))
              if value not in ("no", "train")}
-    if not asked:
+    bf16 = _bf16_asked(cfg)
+    if not (asked or bf16):
         return
     import torch
 
-    cuda = torch.cuda.is_available()
-    runs = ["no", "bf16", "fp16"] if cuda and torch.cuda.is_bf16_supported() else ["no", "fp16"] if cuda else \
-        ["no", "bf16"]
+    from gpo.hardware import slow_bf16, this_machine
+
+    machine = this_machine()
+    cuda = machine.cuda
+    runs = ["no", "bf16", "fp16"] if cuda and machine.bf16_emulation else ["no", "fp16"] if cuda else ["no", "bf16"]
     for key, value in asked.items():
         if value not in runs:
-            where = f"this GPU ({torch.cuda.get_device_name()}) has no bf16" if cuda else \
+            where = f"this GPU ({torch.cuda.get_device_name()}) cannot compute in bfloat16" if cuda else \
                 "fp16 needs a CUDA GPU (loss scaling); on CPU it would train in float32"
             raise UserError(f"engine.{key}={value}: {where}; this machine runs engine.{key}="
                             f"{' or '.join(runs)}.")
+    why = slow_bf16(machine)
+    if bf16 and why:
+        from gpo.config import say_once
+
+        say_once(f"{' '.join(f'{key}={value}' for key, value, _ in bf16)}: {why} (float32: "
+                 f"{' '.join(f'{key}={instead}' for key, _, instead in bf16)}).")
+
+
+def _bf16_asked(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    """(key, value, the float32 value) of each setting that computes in bfloat16."""
+    found = [("engine.mixed_precision", cfg.engine.mixed_precision, "no"),
+             ("engine.logprob_precision", cfg.engine.logprob_precision, "no"),
+             ("model.dtype", cfg.model.dtype, "float32")]
+    if cfg.backend.name in ("hf", "vllm"):  # their generator copy or engine (gpo.backends.precision)
+        found.append(("backend.precision", getattr(cfg.backend.config, "precision", "auto"), "float32"))
+    return [(key, value, instead) for key, value, instead in found if value in ("bf16", "bfloat16")]

@@ -12,7 +12,21 @@ import enum
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from gpo.schema import Fraction, Ge, Gt, Le, NonNegative, NonNegativeInt, Positive, PositiveInt, Rate, RunName
+from gpo.errors import UserError
+from gpo.schema import (
+    MIXED_PRECISION_NAMES,
+    PRECISION_NAMES,
+    Fraction,
+    Ge,
+    Gt,
+    Le,
+    NonNegative,
+    NonNegativeInt,
+    Positive,
+    PositiveInt,
+    Rate,
+    RunName,
+)
 
 # Every kind of component, in pick order.
 KINDS = ("algo", "selector", "pruner", "allocator", "task", "backend", "correction", "tracker")
@@ -26,7 +40,7 @@ class ModelConfig:
 
     path: str = "smollm2-135m-instruct"
     tokenizer: str | None = None  # defaults to `path`
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], PRECISION_NAMES] = "float32"  # also bf16, fp16, ...
     gradient_checkpointing: bool = False
     lora_rank: NonNegativeInt = 0  # 0 = full fine-tuning; > 0 trains a LoRA adapter through peft
     lora_alpha: PositiveInt = 16
@@ -112,10 +126,11 @@ class EngineConfig:
     # autocast while weights, gradients and AdamW state stay float32 (DeepSpeed keeps bf16 module copies of its
     # float32 master weights); the LM head, log-softmax and loss stay float32. fp16 needs a CUDA GPU (loss scaling).
     # auto: bf16 where this machine multiplies bfloat16 natively and model.dtype is float32, no elsewhere.
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    # Also bfloat16, float16 (half) and float32 (fp32, the same as no).
+    mixed_precision: Annotated[Literal["auto", "no", "bf16", "fp16"], MIXED_PRECISION_NAMES] = "auto"
     # The no-grad old-policy and reference log-prob passes; `train` = as mixed_precision. The old-policy pass in
     # the training precision makes the first pass's ratio exactly 1.
-    logprob_precision: Literal["train", "no", "bf16", "fp16"] = "train"
+    logprob_precision: Annotated[Literal["train", "no", "bf16", "fp16"], MIXED_PRECISION_NAMES] = "train"
     deepspeed_stage: Literal[0, 2, 3] = 0  # 0 = plain DDP; 2 or 3 = DeepSpeed ZeRO through Accelerate
     offload: bool = False  # ZeRO: optimizer state (and, with 3, parameters) in CPU memory
     # A rank waiting this long on the others in one collective stops the run (a peer that hangs); torch's own
@@ -196,6 +211,13 @@ class RunConfig:
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with top-level fields replaced (`cfg.replace(run_name="x")`); sections are replaced whole."""
         return dataclasses.replace(self, **changes)
+
+
+def cannot_run_ahead(run: RunConfig, why: str) -> UserError:
+    """The refusal of a setting that a generator running ahead (train.max_staleness >= 1, docs/async.md) does not
+    support; `why` completes "a generator running ahead ..." (gpo.config's rules and the backends' `check_run`)."""
+    return UserError(f"train.max_staleness={run.train.max_staleness}: a generator running ahead {why}. Use "
+                     f"train.max_staleness=0 for this setup.")
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)  # type: ignore[misc]

@@ -10,6 +10,22 @@ every section and every component (plug-ins included):
 
 Config dataclasses are frozen (`@dataclass(frozen=True)`), with tuples for sequences, so a validated run config
 cannot be changed behind the composer's back.
+
+Other names of a choice's values go in the annotation too, and are replaced by the value itself when validated, so
+only that value travels on (`model.dtype=bf16` arrives as `bfloat16`, `backend.precision=bfloat16` as `bf16`):
+
+    precision: Annotated[Literal["auto", "float32", "bf16"], PRECISION_NAMES] = "auto"
+
+A component's config class may say two more things (plain sections have no need: gpo.config checks those):
+
+    MOVED_KEYS: ClassVar[Mapping[str, str]] = {"old_key": "what says the same thing now"}   # refused, with that
+
+    def check_run(self, run: RunConfig) -> None:   # gpo.run_config.RunConfig
+        # Rules that involve another section: raise a UserError naming the keys, e.g. `selector.n_screen=8 is
+        # not smaller than train.group_size=8`; return None when the run is fine.
+
+The composer calls `check_run` on every component's config once the whole run config is valid (each field in its
+range, every section built), so a plug-in adds such a rule without touching gpo; `gpo run --dry-run` reports it.
 """
 
 from __future__ import annotations
@@ -18,7 +34,7 @@ import dataclasses
 import enum
 import functools
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -47,8 +63,36 @@ def _existing_dir(value: str) -> str:
 # a typo fails `--dry-run` instead of the first read, after the model has loaded.
 ExistingDir = Annotated[str, AfterValidator(_existing_dir)]
 
-__all__ = ["ExistingDir", "Fraction", "Ge", "Gt", "Le", "Lt", "NonNegative", "NonNegativeInt", "Positive",
-           "PositiveInt", "Rate", "field_default", "validated"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Aliases:
+    """Annotated metadata of a choice (a `Literal`): other names users type for its values. Each group is one
+    value's names; a name of a group becomes the group's member that is among the field's choices."""
+
+    groups: tuple[tuple[str, ...], ...]
+
+    def canonical(self, value: Any, choices: Iterable[Any]) -> Any:
+        """`value` as the field's own name for it; `value` itself when it is a choice or no group holds it."""
+        options = list(choices)
+        if value in options or not isinstance(value, str):
+            return value
+        for group in self.groups:
+            if value in group:
+                return next((name for name in group if name in options), value)
+        return value
+
+
+# A precision as torch users write it (torch.bfloat16, "half", ...) and as gpo's short names do.
+PRECISION_NAMES = Aliases((("bf16", "bfloat16"), ("fp16", "float16", "half"), ("float32", "fp32")))
+# A mixed precision: `no` computes in float32.
+MIXED_PRECISION_NAMES = Aliases((("bf16", "bfloat16"), ("fp16", "float16", "half"), ("no", "float32", "fp32")))
+RUN_CHECK = "check_run"  # the method of a component's config that checks it against the whole run (docstring)
+MOVED = "MOVED_KEYS"  # a config class's keys that left it, and what says the same thing now (docstring)
+
+__all__ = ["MIXED_PRECISION_NAMES", "PRECISION_NAMES", "RUN_CHECK", "Aliases", "ExistingDir", "Fraction", "Ge", "Gt",
+           "Le", "Lt", "NonNegative", "NonNegativeInt", "Positive", "PositiveInt", "Rate", "field_default",
+           "validated"]
 
 
 # --- validation: a mapping against a config dataclass, with messages about the user's keys --------------------
@@ -68,7 +112,7 @@ def validated(node: Mapping[str, Any], schema: type, path: str) -> Any:
     UserErrors with the full key path (`path` is the section's own, e.g. "train" or "pruner")."""
     node = _plain(node)
     _check_keys(node, schema, path)
-    node = _over_defaults(_numbers_as_text(node, schema), schema)
+    node = _over_defaults(_aliases_as_choices(_numbers_as_text(node, schema), schema), schema)
     from pydantic import ValidationError
 
     try:
@@ -110,7 +154,12 @@ def _explain(error: Mapping[str, Any], schema: type, path: str) -> str:
     if kind == "value_error":  # a field's own validator (e.g. a directory that must exist) says what is wrong
         return f"`{key}`: {str(ctx.get('error') or error['msg']).removeprefix('Value error, ')}"
     expected = _type_name(schema, loc)
-    return f"`{key}` has the wrong type: expected {expected}, got {value!r}."
+    hint = ""
+    if isinstance(value, Mapping) and len(value) == 1 and next(iter(value.values())) is None and "str" in expected:
+        # YAML reads an unquoted `{q}` as a mapping {q: null}: a template placeholder that lost its quotes
+        name = next(iter(value))
+        hint = f" In a YAML file, quote a template: `{loc[-1]}: \"{{{name}}}\"`."
+    return f"`{key}` has the wrong type: expected {expected}, got {value!r}." + hint
 
 
 def _range_hint(schema: type, loc: list[str]) -> str:
@@ -212,6 +261,17 @@ def _numbers_as_text(node: Mapping[str, Any], schema: type) -> dict[str, Any]:
     return out
 
 
+def _aliases_as_choices(node: dict[str, Any], schema: type) -> dict[str, Any]:
+    """Another name of a choice's value (`bfloat16` for `bf16`, the field's `Aliases`) as the value itself."""
+    out = dict(node)
+    for key, value in node.items():
+        hint = _hints(schema).get(key)
+        for alias in getattr(hint, "__metadata__", ()):
+            if isinstance(alias, Aliases):
+                out[key] = alias.canonical(value, _choices_at(schema, [key]) or ())
+    return out
+
+
 def _over_defaults(node: dict[str, Any], schema: type) -> dict[str, Any]:
     """A nested section given in part (`task.train.path=...`) keeps the field's other defaults: the mapping is laid
     over the field's default dataclass, as a YAML layer would be."""
@@ -228,8 +288,11 @@ def _check_keys(node: Any, schema: type, path: str) -> None:
     if not isinstance(node, Mapping):
         return
     fields = {f.name: f for f in dataclasses.fields(schema)}
+    moved: Mapping[str, str] = getattr(schema, MOVED, None) or {}
     for key in node:
         full = _join(path, str(key))
+        if key in moved and key not in fields:
+            raise UserError(f"`{full}` is no longer a setting: {moved[key]}.")
         if key not in fields:
             valid = [_join(path, f) for f in fields]
             raise UserError(f"unknown key `{full}`." + did_you_mean(full, valid) + valid_keys_hint(valid))

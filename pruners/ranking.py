@@ -20,6 +20,7 @@ from torch import Tensor
 from gpo.errors import UserError
 from gpo.ops import group_index
 from gpo.quota import kept_per_group
+from gpo.run_config import RunConfig
 from gpo.schema import Ge, Lt, PositiveInt, Rate
 from gpo.types import RolloutBatch
 
@@ -104,6 +105,15 @@ class QuotaConfig:
         if self.rate is None and self.keep is None:
             raise UserError("set either `pruner.keep` (completions kept per group) or `pruner.rate` (the fraction "
                             "pruned, P); both are null.")
+
+    def check_run(self, run: RunConfig) -> None:
+        """k of a group of train.group_size must be in 1..G."""
+        G = run.train.group_size
+        try:
+            kept_per_group(G, rate=self.rate, keep=self.keep)
+        except UserError as exc:
+            raise UserError(f"`pruner.{'keep' if self.keep is not None else 'rate'}` with train.group_size={G}: "
+                            f"{exc}") from None
 
 
 class QuotaPruner:

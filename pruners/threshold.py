@@ -18,6 +18,7 @@ from gpo.errors import UserError
 from gpo.ops import group_index
 from gpo.pruners.ranking import Seed, advantage_magnitude, keep_top, row_keys, top_up
 from gpo.registry import register
+from gpo.run_config import RunConfig
 from gpo.schema import NonNegative, NonNegativeInt
 from gpo.types import RolloutBatch
 
@@ -27,6 +28,12 @@ class ThresholdConfig:
     gamma: NonNegative = 0.5  # drop completions with |A| < gamma
     min_keep_per_group: NonNegativeInt = 0  # floor: keep at least this many largest-|A| rows of every group
     seed: Seed = 0  # tie-break key for the floor among equal |A|
+
+    def check_run(self, run: RunConfig) -> None:
+        G = run.train.group_size
+        if self.min_keep_per_group > G:
+            raise UserError(f"pruner.min_keep_per_group={self.min_keep_per_group} is more than train.group_size={G}: "
+                            f"a group cannot keep more rows than it has (use at most {G}).")
 
 
 @register("pruner", "threshold", config=ThresholdConfig)

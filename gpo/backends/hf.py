@@ -15,7 +15,7 @@ quantity the trainer computes), for the importance correction; the comparison pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import Tensor
@@ -23,7 +23,8 @@ from torch import Tensor
 from gpo.backends.precision import POLICY_ITSELF, GeneratorCopy
 from gpo.decoding import draw, sampled_logprob, tempered_weights, top_p_filter
 from gpo.registry import register
-from gpo.schema import PositiveInt
+from gpo.run_config import RunConfig, cannot_run_ahead
+from gpo.schema import PRECISION_NAMES, PositiveInt
 from gpo.types import Sampling
 
 
@@ -37,9 +38,15 @@ class HFConfig:
     # float32: sample with the policy itself (in its own dtype, float32 unless model.dtype says otherwise).
     # auto: bf16 where this machine multiplies bfloat16 natively and model.dtype is float32, float32 elsewhere
     # (gpo.config resolves it).
-    # bf16: a bfloat16 copy of the policy. int8: a copy whose Linear layers are int8 with activations quantised per
-    # call (CPU). Copies are refreshed after every optimizer step (metric time/weight_sync).
-    precision: Literal["auto", "float32", "bf16", "int8"] = "auto"
+    # bf16: a bfloat16 copy of the policy (emulated, slower, without native bfloat16: the run says so). int8: a
+    # copy whose Linear layers are int8 with activations quantised per call (CPU). Copies are refreshed after every
+    # optimizer step (metric time/weight_sync). Also bfloat16, fp32.
+    precision: Annotated[Literal["auto", "float32", "bf16", "int8"], PRECISION_NAMES] = "auto"
+
+    def check_run(self, run: RunConfig) -> None:
+        if run.train.max_staleness and self.decode != "gpo":
+            raise cannot_run_ahead(run, "needs the generator's log-probs of its tokens, which backend.decode=generate "
+                                        "does not report; use backend.decode=gpo")
 
 
 @register("backend", "hf", config=HFConfig)
@@ -143,9 +150,9 @@ class HFBackend:
             if step == sampling.max_new_tokens - 1 or not running.any():
                 break
             if not running.all():  # finished rows leave the batch and the cache
-                keep = running.nonzero(as_tuple=True)[0]
-                cache.batch_select_indices(keep)
-                alive, token, mask = alive[keep.cpu()], token[keep], mask[keep]
+                still = running.nonzero(as_tuple=True)[0]
+                cache.batch_select_indices(still)
+                alive, token, mask = alive[still.cpu()], token[still], mask[still]
             mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)  # [alive, Lp + step + 1]
             out = model(input_ids=token.unsqueeze(1), attention_mask=mask,
                         position_ids=mask.sum(dim=1, keepdim=True) - 1, past_key_values=cache, use_cache=True)
@@ -171,7 +178,7 @@ class HFBackend:
             seqs = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         return [_until_eos(row, tok.eos_token_id) for row in seqs[:, ids.shape[1] :].cpu().tolist()]
 
-    def sampled_logprobs(self) -> list[list[float]] | None:
+    def generator_logprobs(self) -> list[list[float]] | None:
         """Per completion of the last `generate`, the generator's log-prob of each sampled token; None after a
         greedy call or with decode=generate."""
         return self._logprobs

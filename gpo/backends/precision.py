@@ -37,21 +37,32 @@ POLICY_ITSELF = ("auto", "float32")  # hf precisions that generate with the trai
 
 
 def runnable(backend: str, machine: Machine) -> tuple[str, ...]:
-    """The precisions `backend` runs on `machine`, besides `auto`."""
+    """The precisions `backend` runs at full speed on `machine`, besides `auto` (bf16 may also run emulated:
+    `emulated_bf16`)."""
     out = ["float32"] + (["bf16"] if machine.bf16 else [])
     if backend == "hf":
         return (*out, *(["int8"] if machine.dynamic_int8 else []))
     return (*out, *(["fp16", "fp8"] if machine.cuda else []))
 
 
+def emulated_bf16(backend: str, machine: Machine) -> bool:
+    """Whether `backend` runs bf16 on `machine` only emulated (slower than float32). vLLM takes no bf16 on a GPU
+    without it (compute capability 8.0 on), so there it is refused instead."""
+    return not machine.bf16 and machine.bf16_emulation and not (backend == "vllm" and machine.cuda)
+
+
 def refusal(backend: str, precision: str, machine: Machine) -> str | None:
     """Why `backend` cannot generate at `precision` on `machine` (one line naming the key), or None when it can.
-    Values outside the backend's choices never get here: the config's Literal refuses them when composing."""
-    if precision == "auto" or precision in runnable(backend, machine):
+    bf16 runs where it is only emulated, slower (the run says so: gpo.preflight). Values outside the backend's
+    choices never get here: the config's Literal refuses them when composing."""
+    emulated = emulated_bf16(backend, machine)
+    if precision == "auto" or precision in runnable(backend, machine) or (precision == "bf16" and emulated):
         return None
     device = "CUDA GPU" if machine.cuda else "CPU"
-    if precision == "bf16":
-        why = f"this {device} has no native bfloat16 support (it would be emulated, slower than float32)"
+    if precision == "bf16" and machine.bf16_emulation:
+        why = "vLLM runs bf16 only on GPUs with native bfloat16 support (compute capability 8.0 or newer)"
+    elif precision == "bf16":
+        why = f"this {device} cannot compute in bfloat16"
     elif precision == "int8" and machine.cuda:
         why = "int8 is torch's dynamic quantisation, which runs on CPU only"
     elif precision == "int8":
@@ -60,7 +71,7 @@ def refusal(backend: str, precision: str, machine: Machine) -> str | None:
                "(pip install torch)")
     else:  # fp16 / fp8 in vLLM on a CPU
         why = f"vLLM runs {precision} on CUDA GPUs only"
-    runs = ", ".join(runnable(backend, machine))
+    runs = ", ".join([*runnable(backend, machine), *(["bf16 (emulated, slower)"] if emulated else [])])
     return f"backend.precision={precision}: {why}; backend={backend} runs {runs} on this machine."
 
 
@@ -91,7 +102,7 @@ class GeneratorCopy:
             model.eval().requires_grad_(False)
             names = {n for n, _ in model.named_parameters()}
             self.model = model
-            loaded, _ = self._copy_floats(policy, skip=set(), keep=set())
+            loaded, _ = self._copy_floats(policy, skip=set(), retain=set())
         if loaded != names:
             raise ValueError(f"the generator copy's parameters differ from the policy's: missing "
                              f"{sorted(names - loaded)[:3]}, unexpected {sorted(loaded - names)[:3]}")
@@ -113,7 +124,7 @@ class GeneratorCopy:
         Collective under ZeRO-3 (the policy's full tensors are gathered for the duration)."""
         with full_parameters(policy):
             quantized_names = {n for pair in self.quantized.values() for n in pair if n is not None}
-            _, weights = self._copy_floats(policy, skip=set(self.quantized), keep=quantized_names)
+            _, weights = self._copy_floats(policy, skip=set(self.quantized), retain=quantized_names)
             with _quiet_quantization():
                 for name, (weight, bias) in self.quantized.items():
                     module: Any = self.model.get_submodule(name)
@@ -122,20 +133,20 @@ class GeneratorCopy:
             del weights  # views of gathered full tensors must not outlive the gathering
 
     def _copy_floats(self, policy: Any, skip: set[str],
-                     keep: set[str]) -> tuple[set[str], dict[str, torch.Tensor]]:
+                     retain: set[str]) -> tuple[set[str], dict[str, torch.Tensor]]:
         """Copy every plain weight of the policy into the copy, except those of the modules in `skip`; return the
-        names copied and the tensors named in `keep` (the quantised Linears' sources)."""
+        names copied and the tensors named in `retain` (the quantised Linears' sources)."""
         copied: set[str] = set()
-        kept: dict[str, torch.Tensor] = {}
+        retained: dict[str, torch.Tensor] = {}
         for name, tensor in plain_weights(policy):
             module_name, _, attr = name.rpartition(".")
-            if name in keep:
-                kept[name] = tensor
+            if name in retain:
+                retained[name] = tensor
             if module_name in skip:
                 continue
             getattr(self.model.get_submodule(module_name), attr).copy_(tensor)
             copied.add(name)
-        return copied, kept
+        return copied, retained
 
 
 def quantize_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ import pytest
 from gpo import checkpoint, cli
 from gpo.run_config import StudyConfig
 from gpo.schema import valid_run_name, valid_tracking_uri
-from kit import run_gpo_all
 
 QUICK = ["tracker=none", "backend=hf"]  # the cases below set the key they are about on top of these
 
@@ -134,14 +133,6 @@ def test_an_output_dir_without_write_permission_is_refused(capsys, tmp_path):
     assert "output_dir=" in line and "no write permission" in line
 
 
-def test_the_refusal_is_a_real_exit_code_2_without_traceback(tmp_path):
-    # What used to end in an internal-error traceback when the engine created the run folder.
-    (tmp_path / "taken").write_text("")
-    (proc,) = run_gpo_all({"x": (["run", *QUICK, f"output_dir={tmp_path / 'taken'}"], [])}).values()
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("gpo: error: output_dir=") and "Traceback" not in proc.stderr
-
-
 # --- resume -----------------------------------------------------------------------------------------------------
 
 
@@ -208,11 +199,12 @@ def cpu_only(monkeypatch):
 
 
 def a_gpu_without_bf16(monkeypatch):
+    """A GPU that cannot compute in bfloat16 at all, not even emulated."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla K80")
 
 
 @pytest.mark.parametrize("key", ["mixed_precision", "logprob_precision"])
@@ -222,10 +214,11 @@ def test_fp16_on_cpu_is_refused_with_what_the_machine_runs(capsys, monkeypatch, 
     assert f"engine.{key}=fp16: fp16 needs a CUDA GPU" in line and f"runs engine.{key}=no or bf16." in line
 
 
-def test_bf16_on_a_gpu_without_it_is_refused_with_what_it_runs(capsys, monkeypatch):
+def test_bf16_on_a_gpu_that_cannot_compute_it_is_refused_with_what_it_runs(capsys, monkeypatch):
     a_gpu_without_bf16(monkeypatch)
     line = refused(capsys, *QUICK, "engine.mixed_precision=bf16")
-    assert "engine.mixed_precision=bf16: this GPU (Tesla V100) has no bf16" in line and "no or fp16." in line
+    assert "engine.mixed_precision=bf16: this GPU (Tesla K80) cannot compute in bfloat16" in line
+    assert line.endswith("this machine runs engine.mixed_precision=no or fp16.")
 
 
 @pytest.mark.parametrize("args, says", [
@@ -238,9 +231,13 @@ def test_mixed_precision_without_float32_master_weights_is_refused(capsys, args,
 
 
 def test_bf16_on_cpu_and_fp16_on_a_gpu_pass(capsys, monkeypatch, tmp_path):
-    cpu_only(monkeypatch)
+    from gpo import hardware
+
+    cpu_only(monkeypatch)  # with native bfloat16 (AVX-512): nothing to say
+    monkeypatch.setattr(hardware, "this_machine", lambda: hardware.Machine(cuda=False, bf16=True, dynamic_int8=True))
     assert cli.main(["run", "--dry-run", *QUICK, f"output_dir={tmp_path}", "engine.mixed_precision=bf16",
                      "engine.logprob_precision=no"]) == 0
+    monkeypatch.undo()
     a_gpu_without_bf16(monkeypatch)
     assert cli.main(["run", "--dry-run", *QUICK, f"output_dir={tmp_path}", "engine.mixed_precision=fp16"]) == 0
     assert capsys.readouterr().err == ""
@@ -269,10 +266,10 @@ def test_a_good_config_passes_dry_run_and_config(capsys, tmp_path):
     # int8 where torch has no dynamic quantisation
     (["backend.precision=int8"], dict(cuda=False, bf16=True, dynamic_int8=False),
      "backend.precision=int8: int8 needs torch's dynamic quantisation"),
-    # bf16 on a CPU without native bfloat16 (AVX2): the line says what does run here
-    (["backend.precision=bf16"], dict(cuda=False, bf16=False, dynamic_int8=True),
-     "backend.precision=bf16: this CPU has no native bfloat16 support (it would be emulated, slower than float32); "
-     "backend=hf runs float32, int8 on this machine."),
+    # bf16 in vLLM on a GPU without native bfloat16 (vLLM refuses it there): the line says what does run here
+    (["backend=vllm", "backend.precision=bf16"], dict(cuda=True, bf16=False, dynamic_int8=False),
+     "backend.precision=bf16: vLLM runs bf16 only on GPUs with native bfloat16 support (compute capability 8.0 or "
+     "newer); backend=vllm runs float32, fp16, fp8 on this machine."),
     # fp8 with vLLM on a CPU, refused before vLLM's own absence is
     (["backend=vllm", "backend.precision=fp8"], dict(cuda=False, bf16=True, dynamic_int8=True),
      "backend.precision=fp8: vLLM runs fp8 on CUDA GPUs only; backend=vllm runs float32, bf16 on this machine."),

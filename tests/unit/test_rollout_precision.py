@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpo.backends.hf import HFBackend, HFConfig
-from gpo.backends.precision import GeneratorCopy, quantize_weight, refusal, runnable, vllm_settings
+from gpo.backends.precision import GeneratorCopy, emulated_bf16, quantize_weight, refusal, runnable, vllm_settings
 from gpo.decoding import sampled_logprob
 from gpo.hardware import Machine
 from gpo.models import plain_weights
@@ -54,7 +54,7 @@ def test_float32_samples_with_the_policy_and_its_completions_are_unchanged():
         [2335, 2712, 1681, 44, 1099, 323, 2899, 2360, 2379, 1529, 1007, 2036, 1994, 2800, 979, 781, 1404, 1404, 1409,
          1115],
     ]
-    assert [len(r) for r in backend.sampled_logprobs()] == [len(r) for r in out]
+    assert [len(r) for r in backend.generator_logprobs()] == [len(r) for r in out]
 
 
 def test_sampled_logprob_hand_values():
@@ -159,13 +159,13 @@ def test_reported_logprobs_match_a_full_forward_of_the_generator(precision):
     backend = HFBackend(HFConfig(precision=precision), model, Tok())
     sampling = Sampling(max_new_tokens=10, temperature=0.8, top_p=0.9)
     out = backend.generate([PROMPTS[0]], 3, sampling, seed=5)
-    reported = backend.sampled_logprobs()
+    reported = backend.generator_logprobs()
     gaps = [(full_forward_logprobs(backend.generator(), PROMPTS[0], row, 0.8) - torch.tensor(lp)).abs().max()
             for row, lp in zip(out, reported, strict=True)]
     assert all(len(lp) == len(row) for row, lp in zip(out, reported, strict=True))
     assert max(gaps) < TOLERANCE[precision], gaps
     greedy = backend.generate([PROMPTS[0]], 1, Sampling(max_new_tokens=4, greedy=True), seed=0)
-    assert len(greedy[0]) == 4 and backend.sampled_logprobs() is None  # greedy: nothing sampled, nothing reported
+    assert len(greedy[0]) == 4 and backend.generator_logprobs() is None  # greedy: nothing sampled, nothing reported
 
 
 # --- what each backend runs where -----------------------------------------------------------------------------
@@ -175,6 +175,8 @@ CPU_AVX512 = Machine(cuda=False, bf16=True, dynamic_int8=True)
 CPU_AVX2 = Machine(cuda=False, bf16=False, dynamic_int8=True)
 CPU_NO_QUANT = Machine(cuda=False, bf16=True, dynamic_int8=False)
 H100 = Machine(cuda=True, bf16=True, dynamic_int8=False)
+V100 = Machine(cuda=True, bf16=False, dynamic_int8=False)  # torch emulates bfloat16 there; vLLM refuses it
+NO_BF16_GPU = Machine(cuda=True, bf16=False, dynamic_int8=False, bf16_emulation=False)
 
 
 @pytest.mark.parametrize("backend, machine, runs", [
@@ -189,9 +191,22 @@ def test_runnable_precisions(backend, machine, runs):
     assert refusal(backend, "auto", machine) is None and refusal(backend, "float32", machine) is None
 
 
+@pytest.mark.parametrize("backend, machine", [("hf", CPU_AVX2), ("vllm", CPU_AVX2), ("hf", V100)])
+def test_bf16_runs_emulated_where_the_machine_lacks_it(backend, machine):
+    assert "bf16" not in runnable(backend, machine)  # not at full speed: the benchmarks leave it out
+    assert emulated_bf16(backend, machine) and refusal(backend, "bf16", machine) is None
+
+
+@pytest.mark.parametrize("backend, machine", [("hf", CPU_AVX512), ("hf", H100), ("vllm", H100)])
+def test_native_bf16_is_not_emulated(backend, machine):
+    assert not emulated_bf16(backend, machine) and refusal(backend, "bf16", machine) is None
+
+
 @pytest.mark.parametrize("backend, precision, machine, says", [
-    ("hf", "bf16", CPU_AVX2, "backend.precision=bf16: this CPU has no native bfloat16 support"),
+    ("vllm", "bf16", V100, "backend.precision=bf16: vLLM runs bf16 only on GPUs with native bfloat16 support"),
+    ("hf", "bf16", NO_BF16_GPU, "backend.precision=bf16: this CUDA GPU cannot compute in bfloat16"),
     ("hf", "int8", CPU_NO_QUANT, "install a standard torch build"),
+    ("hf", "int8", V100, "backend=hf runs float32, bf16 (emulated, slower) on this machine"),
     ("hf", "int8", H100, "runs on CPU only; backend=hf runs float32, bf16 on this machine"),
     ("vllm", "fp8", CPU_AVX512, "vLLM runs fp8 on CUDA GPUs only; backend=vllm runs float32, bf16"),
 ])

@@ -101,7 +101,8 @@ def _engine_checks(workdir: Path) -> dict:
     trainer = batch_logprobs(engine.module, sampled, 8, 0.7)  # [N, L]
     m = sampled.completion_mask.bool()
     result["sampled"] = {"rows": len(sampled), "tokens": int(m.sum()),
-                         "max_abs_diff": float((trainer - sampled.sampler_logprobs)[m].abs().max())}
+                         "max_abs_diff": float((trainer - sampled.generator_logprobs)[m].abs().max())}
+    result["sampled_top_p"] = _top_p_checks(engine, backend, prompts, tok)
 
     fixed_prompt, fixed = prompts[0], tok.encode("Five, I think.", add_special_tokens=False)
     initial = _trainer_logprobs(policy, fixed_prompt, fixed)
@@ -156,13 +157,46 @@ def _inflight_checks(backend, policy, prompts, tok) -> dict:
         rows = generate(backend, prompts, 4, sampling, seed=11 + call, eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id)
         m = rows.completion_mask.bool()
-        gaps = {v: float((batch_logprobs(TokenLogprobs(policy_v), rows, 8, 1.0) - rows.sampler_logprobs)[m].abs().max())
+        gaps = {v: float((batch_logprobs(TokenLogprobs(policy_v), rows, 8, 1.0)
+                          - rows.generator_logprobs)[m].abs().max())
                 for v, policy_v in enumerate((version0, version1))}
         calls.append({"version": version, "gap_to_version": gaps})
         if call == 0:  # the trainer publishes version 1 while the generator is inside its step
             shared.load_state_dict(version1.state_dict())
             published.value = 1
     return {"calls": calls, "inflight": weights.inflight, "taken": taken.value}
+
+
+def _top_p_checks(engine, backend, prompts, tok) -> dict:
+    """Sampling at T = 0.7 with top-p 0.8: vLLM's reported log-probs against the trainer's full-vocabulary ones and
+    against the same renormalised over each position's nucleus (log p - log nucleus mass, from the trainer's logits);
+    then vLLM's scoring at temperature 1 once the call is over (the logits' temperature scaling undone)."""
+    from gpo.decoding import next_token_probs
+    from gpo.logprobs import batch_logprobs
+
+    temperature, top_p = 0.7, 0.8
+    rows = generate(backend, prompts[:2], 4, Sampling(max_new_tokens=8, temperature=temperature, top_p=top_p),
+                    seed=2, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    m = rows.completion_mask.bool()
+    trainer = batch_logprobs(engine.module, rows, 8, temperature)  # [N, L]
+    log_mass = torch.zeros_like(trainer)  # [N, L]: log of the nucleus's probability under softmax(logits / T)
+    for i in range(len(rows)):
+        prompt = rows.prompt_ids[i][rows.prompt_mask[i].bool()]
+        completion = rows.completion_ids[i][m[i]]
+        with torch.no_grad():
+            logits = engine.policy(torch.cat([prompt, completion]).unsqueeze(0)).logits[0, len(prompt) - 1 : -1]
+        full, kept = next_token_probs(logits, temperature), next_token_probs(logits, temperature, top_p)
+        log_mass[i, : len(completion)] = full.masked_fill(kept == 0, 0.0).sum(dim=-1).log().float()
+    reported = rows.generator_logprobs
+    fixed_prompt, fixed = prompts[0], tok.encode("Five, I think.", add_special_tokens=False)
+    return {
+        "rows": len(rows), "tokens": int(m.sum()),
+        "max_abs_diff": float((trainer - reported)[m].abs().max()),
+        "nucleus_gap": float(((trainer - log_mass) - reported)[m].abs().max()),
+        "log_mass_min": float(log_mass[m].min()),
+        "restored_diff": float((_vllm_fixed_logprobs(backend, fixed_prompt, fixed)
+                                - _trainer_logprobs(engine.policy, fixed_prompt, fixed)).abs().max()),
+    }
 
 
 def _logprobs_with_grad(policy, prompt, completion):

@@ -14,15 +14,29 @@ tensors that `gpo.parallel.full_parameters` gathers on every rank for the durati
 also destroys torch's default group, so `close` runs before the trainer destroys that group itself.
 
 vLLM samples with its own kernels, so its token probabilities differ slightly from the trainer's. The backend
-reports the log-prob vLLM sampled each token with (after temperature, as the trainer computes them); the run's
-`correction=` (gpo.corrections: `tis` by default, truncated pi_old / pi_gen weights; `mis`, `icepop` mask; `none`)
-turns them into per-token weights and masks, and the mismatch metrics (`mismatch/*`) are logged every step.
+reports each sampled token's log-prob under vLLM's weights in the trainer's convention, log softmax(logits / T) over
+the whole vocabulary, before any top-p truncation (as gpo's own decoder does); the run's `correction=`
+(gpo.corrections: `tis` by default, truncated pi_old / pi_generator weights; `mis`, `icepop` mask; `none`) turns them
+into per-token weights and masks, and the mismatch metrics (`mismatch/*`) are logged every step.
+
+What vLLM 0.32 reports (`logprobs_mode`, its v1 sampler): `raw_logprobs` is log_softmax of the model's logits before
+any sampling parameter, temperature included; `processed_logprobs` is log_softmax after temperature *and* after
+top-k / top-p have set the tokens outside the nucleus to -inf, i.e. renormalised over the nucleus, which with
+train.top_p < 1 is off the trainer's value by log(nucleus mass) per token (`raw_logits` / `processed_logits`: the
+same two points, unnormalised). Neither gives the log-normaliser of softmax(logits / T). So the backend puts the
+temperature into the logits themselves: for a sampling call it sets the `scale` of vLLM's `LogitsProcessor` layer
+(the logit multiplier some architectures already use) to its own value / T for the duration of the call, asks vLLM
+for temperature 1 and reads `raw_logprobs`. vLLM then samples from the same distribution as with its own
+temperature (softmax(logits / T), top-p over it) and reports log softmax(logits / T) over the whole vocabulary.
+With 16-bit weights the scaled logits are rounded to 16 bits once more (vLLM's own temperature divides in float32):
+noise of the size of the logits' own rounding, no bias.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, Any, Literal
 
 import torch
@@ -34,16 +48,18 @@ from gpo.generation import counts_per_prompt
 from gpo.models import plain_weights
 from gpo.parallel import full_parameters
 from gpo.registry import register
-from gpo.schema import Gt, Le, Positive, PositiveInt
+from gpo.run_config import RunConfig, cannot_run_ahead
+from gpo.schema import PRECISION_NAMES, Gt, Le, Positive, PositiveInt
 from gpo.types import Sampling
 
 
 @dataclass(frozen=True)
 class VLLMConfig:
     # auto: float32 on CPU (vLLM's bfloat16 CPU path was ~4x slower on an AVX2 CPU), the policy's dtype on GPU.
-    # float32; bf16 (where the device runs bfloat16 natively); fp16 and fp8 (vLLM's online fp8 quantisation over
-    # bfloat16) on CUDA GPUs only (gpo/backends/precision.py).
-    precision: Literal["auto", "float32", "bf16", "fp16", "fp8"] = "auto"
+    # float32; bf16 (emulated, slower, on a CPU without native bfloat16; GPUs need it natively); fp16 and fp8
+    # (vLLM's online fp8 quantisation over bfloat16) on CUDA GPUs only (gpo/backends/precision.py). Also bfloat16,
+    # float16 (half), fp32.
+    precision: Annotated[Literal["auto", "float32", "bf16", "fp16", "fp8"], PRECISION_NAMES] = "auto"
     # GPU share for vLLM's weights + KV cache; the trainer needs the rest
     gpu_memory_utilization: Annotated[float, Gt(0), Le(1)] = 0.3
     kv_cache_gib: Positive | None = None  # KV cache size in GiB (on CPU: default 1); null on GPU: from the share above
@@ -53,6 +69,11 @@ class VLLMConfig:
     enforce_eager: bool = True  # skip torch.compile / CUDA graphs: compiling costs minutes, small models gain little
     report_logprobs: bool = True  # the sampled tokens' log-probs, for the importance-sampling correction
     seed: int = 0  # engine seed; every request also gets its own seed from the step
+
+    def check_run(self, run: RunConfig) -> None:
+        if run.train.max_staleness and not self.report_logprobs:
+            raise cannot_run_ahead(run, "needs the generator's log-probs of its tokens (the behaviour policy): set "
+                                        "backend.report_logprobs=true")
 
 
 @register("backend", "vllm", config=VLLMConfig)
@@ -110,8 +131,9 @@ class VLLMBackend:
             # group started outside it (it adds its own groups, never re-initialises it); with tensor parallel 1
             # each rank's engine is independent of the others.
             distributed_executor_backend="external_launcher" if world()[1] > 1 else "uni",
-            # Log-probs after temperature: the trainer's log softmax(logits / T), which the IS ratio compares with.
-            logprobs_mode="processed_logprobs",
+            # Log-probs before any sampling parameter, so never renormalised over a top-p nucleus; `generate` puts
+            # the temperature into the logits, which makes them the trainer's log softmax(logits / T) (docstring).
+            logprobs_mode="raw_logprobs",
             # Sampling comes only from our SamplingParams, never from the model's generation_config.json.
             generation_config="vllm",
             **cpu_only,
@@ -125,18 +147,35 @@ class VLLMBackend:
         if not prompts:  # a rank without questions this round (still started above: starting is collective)
             self._logprobs = [] if self.cfg.report_logprobs and not sampling.greedy else None
             return []
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         if self.sleeps:
             llm.wake_up()
         report = self.cfg.report_logprobs and not sampling.greedy
+        # Reported log-probs need the temperature in the logits (raw_logprobs ignores vLLM's own temperature).
+        folded = report and sampling.temperature != 1.0
+        if folded:
+            _temper(llm, sampling.temperature)
+        try:
+            completions, logprobs = self._generate(llm, prompts, n, sampling, seed, report, folded)
+        finally:
+            if folded:
+                _temper(llm, 1.0)  # the model's own logits again (scoring, greedy calls, weight sync)
+        self._logprobs = logprobs if report else None
+        if self.sleeps:
+            llm.sleep(level=1)
+        return completions
+
+    def _generate(self, llm: Any, prompts: list[list[int]], n: int | list[int], sampling: Sampling, seed: int,
+                  report: bool, folded: bool) -> tuple[list[list[int]], list[list[float]]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         counts = counts_per_prompt(n, len(prompts))
         params = [
             SamplingParams(
                 n=counts[i],
                 max_tokens=sampling.max_new_tokens,
-                temperature=0.0 if sampling.greedy else sampling.temperature,
+                # folded: the logits are already logits / T
+                temperature=0.0 if sampling.greedy else 1.0 if folded else sampling.temperature,
                 top_p=1.0 if sampling.greedy else sampling.top_p,
                 # One seed per prompt: its G samples are reproducible whatever else shares the batch.
                 seed=seed + i,
@@ -156,12 +195,9 @@ class VLLMBackend:
                 completions.append(ids)
                 if report:
                     logprobs.append([step[t].logprob for step, t in zip(sample.logprobs, ids, strict=True)])
-        self._logprobs = logprobs if report else None
-        if self.sleeps:
-            llm.sleep(level=1)
-        return completions
+        return completions, logprobs
 
-    def sampled_logprobs(self) -> list[list[float]] | None:
+    def generator_logprobs(self) -> list[list[float]] | None:
         return self._logprobs
 
     def sync_weights(self, model: Any) -> None:
@@ -199,6 +235,32 @@ class VLLMBackend:
         self._llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
         if self.sleeps:
             self._llm.sleep(level=1)
+
+
+def _temper(llm: Any, temperature: float) -> None:
+    """Make vLLM's logits the model's logits / temperature (1.0: the model's own again), on this process's worker."""
+    if 0 in llm.apply_model(partial(_scale_logits, temperature=temperature)):
+        raise UserError(
+            "backend=vllm reports the generator's log-probs at the sampling temperature by scaling the logits of "
+            "vLLM's LogitsProcessor layer, which this model's vLLM implementation has none of: set "
+            "backend.report_logprobs=false (no correction, no train.max_staleness >= 1) or train.temperature=1, "
+            "or use backend=hf."
+        )
+
+
+def _scale_logits(vllm_model: Any, temperature: float) -> int:
+    """Set every LogitsProcessor's `scale` to its value at load time / temperature; returns how many there are."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    found = 0
+    for module in vllm_model.modules():
+        if isinstance(module, LogitsProcessor):
+            # The architecture's own multiplier (1 for most, e.g. Granite's 1 / logits_scaling), kept on the
+            # module so repeated calls never compound; a module rebuilt by a weight reload reads its own again.
+            base = module.__dict__.setdefault("gpo_model_scale", module.scale)
+            module.scale = base / temperature
+            found += 1
+    return found
 
 
 def _repack_tied_head(vllm_model: Any) -> None:

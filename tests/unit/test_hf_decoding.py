@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from gpo.backends.hf import HFBackend, HFConfig
-from gpo.decoding import BLOCK, draw, next_token_probs, next_token_weights
+from gpo.decoding import (
+    BLOCK,
+    draw,
+    next_token_probs,
+    next_token_weights,
+    sampled_logprob,
+    tempered_weights,
+    top_p_filter,
+)
 from gpo.errors import UserError
 from gpo.types import Sampling
 
@@ -209,6 +217,61 @@ def test_sampled_tokens_follow_the_policys_own_distribution(tiny):
     expected = torch.cat([probs[top], (1 - probs[top].sum()).reshape(1)]) * len(rows)
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < 18.5, (chi2, observed.tolist(), expected.tolist())  # 4 dof: P(chi2 > 18.5) = 0.001
+
+
+def test_top_p_reports_the_untruncated_logprob_by_hand():
+    """The decoder's steps on a 4-token vocabulary with softmax(logits / T) = (0.5, 0.3, 0.15, 0.05), top_p = 0.7.
+    Transformers' rule keeps {0, 1} (ascending cumulative 0.05, 0.2, 0.5, 1: the first two are <= 0.3), mass 0.8.
+    Token 1, drawn where u lies in its nucleus interval [0.625, 1), is reported as log 0.3, not as the nucleus's
+    renormalised log(0.3 / 0.8); they differ by log 0.8."""
+    temperature = 0.5
+    logits = temperature * torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    weights = tempered_weights(logits, temperature)
+    totals = weights.sum(dim=-1)  # before truncation, as the decoder takes it
+    nucleus = top_p_filter(weights, 0.7)  # in place, as in the decoder
+    assert (nucleus > 0).tolist() == [[True, True, False, False]]
+    token = draw(nucleus, torch.tensor([0.9], dtype=torch.float64))
+    assert token.tolist() == [1]
+    reported = sampled_logprob(weights, totals, token)
+    assert reported.item() == pytest.approx(math.log(0.3), abs=1e-6)
+    renormalised = next_token_probs(logits, temperature, 0.7)[0, 1].log().item()
+    assert renormalised == pytest.approx(math.log(0.3 / 0.8), abs=1e-6)
+    assert reported.item() - renormalised == pytest.approx(math.log(0.8), abs=1e-6)
+
+
+def test_top_p_reported_logprobs_are_the_trainers_full_vocabulary_ones(tiny):
+    """Sampling with top_p = 0.5 at T = 0.7: the decoder's reported log-probs equal the trainer's (gpo.logprobs,
+    log softmax(logits / T) over the whole vocabulary) to float32 tolerance, and exceed the log-probs renormalised
+    over each position's nucleus by exactly -log(nucleus mass), which here is far from 0."""
+    from gpo.generation import generate
+    from gpo.logprobs import TokenLogprobs, batch_logprobs
+
+    model, tokenizer = tiny
+    temperature, top_p = 0.7, 0.5
+    backend = HFBackend(HFConfig(), model, tokenizer)
+    batch = generate(backend, _prompts(tokenizer), 3, Sampling(max_new_tokens=8, temperature=temperature,
+                                                               top_p=top_p),
+                     seed=4, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    m = batch.completion_mask.bool()
+    reported = batch.generator_logprobs
+    trainer = batch_logprobs(TokenLogprobs(model), batch, 4, temperature)
+    assert int(m.sum()) > len(batch)
+    assert (trainer - reported)[m].abs().max().item() < 1e-4
+
+    for i in range(len(batch)):
+        prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()]
+        completion = batch.completion_ids[i][m[i]]
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, completion]).unsqueeze(0)).logits[0, len(prompt) - 1 : -1]
+        full = next_token_probs(logits, temperature)  # [L, V]
+        nucleus = next_token_probs(logits, temperature, top_p)
+        picked = completion.unsqueeze(1)
+        renormalised = nucleus.gather(1, picked).squeeze(1).log()  # finite: every drawn token is in its nucleus
+        log_mass = full.masked_fill(nucleus == 0, 0.0).sum(dim=-1).log()
+        assert torch.isfinite(renormalised).all()
+        gap = reported[i][: len(completion)].double() - renormalised
+        assert torch.allclose(gap, log_mass, atol=1e-4), (gap, log_mass)
+        assert (log_mass < -0.1).all()  # a near-uniform tiny model: the nucleus holds about half the mass
 
 
 def test_config_is_checked():

@@ -61,7 +61,13 @@ examples:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    # argparse stops collecting `group=name|key=value` words at the first flag; the ones after it (`gpo run a=1
+    # --dry-run b=2`) are the same overrides, in the order typed.
+    if extra and isinstance(getattr(args, "args", None), list) and not any(e.startswith("-") for e in extra):
+        args.args += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2

@@ -9,8 +9,8 @@ built-in tasks carve theirs (tasks/data.py).
 Rewards: a built-in grader (`task.grader`: math, number, exact, choice; tasks/graders.py) gives the components
 `format` and `accuracy` (1 right, 0 wrong) as the built-in tasks do, and each of the user's own functions
 (`task.rewards`, TRL's calling convention, tasks/user_rewards.py) one component named after it. The total is
-their weighted sum. `task.pass_criterion` names the component whose positive value means "right" (evaluation's
-accuracy and pass@k, and selectors); it defaults to `accuracy`.
+their weighted sum. `task.pass_criterion` names the component whose positive value means "right" (gpo.types.passes:
+evaluation's accuracy and pass@k, the selectors, DAPO's filter, the success rate); it defaults to `accuracy`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from gpo.errors import UserError
+from gpo.errors import UserError, did_you_mean
 from gpo.registry import register
 from gpo.schema import NonNegativeInt, Positive
 from gpo.tasks import files, graders, user_rewards
@@ -29,7 +29,7 @@ from gpo.tasks.answers import r1_formatted
 from gpo.tasks.base import DatasetTask, DatasetTaskConfig
 from gpo.tasks.data import DataSource, SplitCache, read_hub
 from gpo.tasks.math import VerifierPool, available_cores, predicted_answer, verify_answers, verify_metrics
-from gpo.types import Example, Grade, Rewards
+from gpo.types import Example, Grade, Rewards, passes
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. First reason step by step inside <think> </think> tags, then give only the "
@@ -53,10 +53,12 @@ class DatasetConfig(DatasetTaskConfig):
     reward_weights: tuple[float, ...] = ()  # one per function in `rewards`; empty = 1.0 each
     pass_criterion: str = ""  # the component that says "right"; empty = accuracy (needs a grader)
     reward_errors: Literal["raise", "zero"] = "raise"  # what a reward function that raises does (gpo/rewards.py)
-    reward_timeout_s: Positive = 60.0  # bound on one call of one of your reward functions
+    # Bound on one call of one of your reward functions: CPU seconds while it computes, wall seconds while it waits
+    # (no CPU used for 1 s), and 10x this in wall time whatever it does (tasks/user_rewards.py).
+    reward_timeout_s: Positive = 60.0
     reward_format: Literal["standard", "conversational"] = "standard"  # how your functions get completions
     validation_size: NonNegativeInt = 16
-    verify_timeout_s: Positive = 5.0  # grader=math: wall-time bound for verifying one completion
+    verify_timeout_s: Positive = 5.0  # grader=math: CPU seconds for verifying one completion (tasks/math.py)
     workers: NonNegativeInt = 0  # grader=math: verification processes; 0 = the cores this process may use
     system_prompt: str = SYSTEM_PROMPT
 
@@ -64,7 +66,8 @@ class DatasetConfig(DatasetTaskConfig):
         if self.path and files.is_local(self.path):
             files.check_local(self.path)
         template_fields(self.user_template)
-        names = [r.name for r in self.reward_functions()]
+        functions = self.reward_functions()
+        names = [r.name for r in functions]
         components = [*(BUILT_IN if self.grader != "none" else ()), *names]
         repeated = sorted({n for n in components if components.count(n) > 1})
         if repeated:
@@ -81,12 +84,55 @@ class DatasetConfig(DatasetTaskConfig):
         if self.criterion() not in components:
             raise UserError(f"task.pass_criterion `{self.criterion()}` names no reward component; the components "
                             f"are {', '.join(components)}.")
+        self._check_columns(functions)
 
     def reward_functions(self) -> list[user_rewards.RewardFunction]:
         return [user_rewards.load(spec) for spec in self.rewards]
 
     def criterion(self) -> str:
         return self.pass_criterion or "accuracy"
+
+    def columns_needed(self, functions: Sequence[user_rewards.RewardFunction]) -> dict[str, str]:
+        """Each column every row must have, with the setting that asks for it (`{question}` in the template is
+        task.question_field's column, whatever its name)."""
+        needed = {self.question_field: f"task.question_field={self.question_field}"}
+        if self.grader != "none":
+            needed.setdefault(self.answer_field, f"task.answer_field={self.answer_field}")
+        for field in template_fields(self.user_template):
+            needed.setdefault(self.question_field if field == "question" else field,
+                              f"task.user_template {self.user_template!r}")
+        for function, spec in zip(functions, self.rewards, strict=True):
+            for column in sorted(function.columns_needed()):
+                needed.setdefault(column, f"task.rewards `{spec}` (its argument `{column}`)")
+        return needed
+
+    def _check_columns(self, functions: Sequence[user_rewards.RewardFunction]) -> None:
+        """A column the settings name that the files lack fails now, not after the model has loaded: each local
+        file's columns are read cheaply (files.columns); a Hub dataset is first read when the run starts."""
+        tables: list[tuple[str, list[str] | None]]
+        if not self.path:
+            tables = [("the built-in sample (task.path is empty)", list(files.sample_rows("train")[0]))]
+        elif files.is_local(self.path):
+            found = [f for split in (self.train_split, self.test_split)
+                     for f in files.split_files(self.path, split, self.train_split, self.test_split)]
+            tables = [(f"`{f}`", files.columns(f)) for f in dict.fromkeys(found)]
+        else:
+            return
+        needed = self.columns_needed(functions)
+        for where, have in tables:
+            if have is None:  # an empty file, or a JSON array too large to read ahead: checked as rows load
+                continue
+            listed = ", ".join(have) or "none"
+            for column, setting in needed.items():
+                if column not in have:
+                    fix = (" Set task.question_field and task.answer_field to the columns that hold the question "
+                           "and its answer." if setting in ("task.question_field=question", "task.answer_field=answer")
+                           else "")
+                    raise UserError(f"{setting}: {where} has no column `{column}` (its columns: {listed})."
+                                    f"{did_you_mean(column, have)}{fix}")
+            if "gold" in have and self.answer_field != "gold":
+                raise UserError(f"{where} has a column `gold`, which holds the graded answer here (from "
+                                f"task.answer_field={self.answer_field}): rename it.")
 
 
 def template_fields(template: str) -> list[str]:
@@ -96,7 +142,8 @@ def template_fields(template: str) -> list[str]:
     except ValueError as exc:
         raise UserError(f"task.user_template {template!r}: {exc} (write `{{{{` and `}}}}` for literal "
                         "braces).") from None
-    bad = [f for f in fields if not f.isidentifier()]
+    # A column's name may hold spaces or capitals; `{0}`, `{a.b}` and `{a[0]}` would index or read attributes.
+    bad = [f for f in fields if not f.strip() or f.isdigit() or any(c in f for c in ".[]")]
     if bad:
         raise UserError(f"task.user_template {template!r}: `{{{bad[0]}}}` is not a column name; placeholders are "
                         "`{question}` and `{COLUMN}` for any other column.")
@@ -145,11 +192,9 @@ class Dataset(DatasetTask):
 
     def _checked(self, rows: list[Example], where: str) -> list[Example]:
         cfg, kept = self.cfg, []
-        needed = [cfg.question_field, *([cfg.answer_field] if cfg.grader != "none" else []), *self._template]
-        for f in self._functions:
-            needed += sorted(f.columns_needed())
+        needed = cfg.columns_needed(self._functions)
         for number, row in enumerate(rows, start=1):
-            problem = next((f"is missing column `{c}`" for c in dict.fromkeys(needed) if c not in row), None)
+            problem = next((f"is missing column `{c}`" for c in needed if c not in row), None)
             if problem is None and _blank(row.get(cfg.question_field)):
                 problem = f"has an empty `{cfg.question_field}`"
             gold = "" if problem else self._gold(row)
@@ -212,7 +257,7 @@ class Dataset(DatasetTask):
             return super().grade(completions, examples)
         function = next(f for f in self._functions if f.name == self.pass_criterion)
         values = self._call(function, completions, examples, None)
-        return [Grade(extracted=self.extract(c), gold=str(ex["gold"]), correct=v is not None and v > 0,
+        return [Grade(extracted=self.extract(c), gold=str(ex["gold"]), correct=v is not None and passes(v),
                       formatted=r1_formatted(c))
                 for c, ex, v in zip(completions, examples, values, strict=True)]
 

@@ -20,6 +20,9 @@ from gpo.types import Example
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 SPLIT_NAMES = ("train", "test", "validation", "valid", "dev")  # names that mark a file as one split's
+CSV_ENCODING = "utf-8-sig"  # UTF-8, without the byte-order mark spreadsheets write before the first column's name
+HEAD_ROWS = 50  # the JSON rows whose keys stand for a file's columns before it is read whole
+HEAD_JSON_BYTES = 32 << 20  # a JSON array this large is not parsed just to learn its columns
 
 
 def is_local(path: str) -> bool:
@@ -58,31 +61,76 @@ def split_files(path: str, split: str, train_split: str, test_split: str) -> lis
 def read_table(file: Path) -> list[Example]:
     """Every row of one local file, as dicts."""
     if file.suffix == ".csv":
-        with open(file, encoding="utf-8", newline="") as handle:
+        with open(file, encoding=CSV_ENCODING, newline="") as handle:
             return [dict(row) for row in csv.DictReader(handle)]
     if file.suffix == ".json":
         return _read_json(file)
     return data.read_local(file)  # .jsonl and .parquet, as the built-in tasks read them
 
 
+def columns(file: Path) -> list[str] | None:
+    """The columns of one local file, read cheaply (a CSV's header, a Parquet file's schema, the keys of the first
+    JSON rows), so that a setting naming a column the file lacks fails before any model loads; None when nothing
+    says (an empty file: the full read reports it) or when that would mean parsing a large JSON array whole."""
+    try:
+        return _columns(file)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"`{file}` is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8.") from None
+    except OSError as exc:
+        raise UserError(f"cannot read `{file}`: {exc.strerror or exc}.") from None
+
+
+def _columns(file: Path) -> list[str] | None:
+    if file.suffix == ".csv":
+        with open(file, encoding=CSV_ENCODING, newline="") as handle:
+            return next(csv.reader(handle), None)
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq  # comes with `datasets`; imported only when a parquet file is named
+
+        try:
+            return list(pq.read_schema(file).names)
+        except Exception as exc:
+            raise UserError(f"cannot read parquet file `{file}`: {exc}") from exc
+    if file.suffix == ".json" and file.stat().st_size > HEAD_JSON_BYTES:
+        return None
+    rows = _read_json(file) if file.suffix == ".json" else _head_lines(file)
+    return list(dict.fromkeys(key for row in rows[:HEAD_ROWS] for key in row)) or None
+
+
+def _head_lines(file: Path) -> list[Example]:
+    """The first JSON-lines rows that parse as objects (a broken line is left to the full read to name)."""
+    rows: list[Example] = []
+    with open(file, encoding="utf-8") as handle:
+        for line in handle:
+            if len(rows) == HEAD_ROWS:
+                break
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                break
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
 def _read_json(file: Path) -> list[Example]:
     """A JSON array of objects, an object holding one such array (e.g. {"data": [...]}), or JSON lines."""
     text = file.read_text(encoding="utf-8")
     try:
-        data = json.loads(text)
+        content = json.loads(text)
     except json.JSONDecodeError:
         return data.read_local(file)  # JSON lines under a .json name, as `datasets` accepts them
-    if isinstance(data, dict):
-        arrays = [v for v in data.values() if isinstance(v, list)]
+    if isinstance(content, dict):
+        arrays = [v for v in content.values() if isinstance(v, list)]
         if len(arrays) != 1:
             raise UserError(f"{file}: a JSON object must hold exactly one list of rows, found {len(arrays)}.")
-        data = arrays[0]
-    if not isinstance(data, list):
-        raise UserError(f"{file}: expected a list of JSON objects, got {type(data).__name__}.")
-    for number, row in enumerate(data, start=1):
+        content = arrays[0]
+    if not isinstance(content, list):
+        raise UserError(f"{file}: expected a list of JSON objects, got {type(content).__name__}.")
+    for number, row in enumerate(content, start=1):
         if not isinstance(row, dict):
             raise UserError(f"{file}: row {number}: expected a JSON object, got {type(row).__name__}.")
-    return data
+    return content
 
 
 def _tables(folder: Path) -> list[Path]:

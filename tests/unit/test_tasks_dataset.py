@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import pytest
 
@@ -13,11 +12,14 @@ from gpo import registry
 from gpo.config import compose
 from gpo.errors import UserError
 from gpo.rewards import score
-from gpo.tasks import graders
+from gpo.tasks import graders, user_rewards
+from kit import crowded_core
 
 ROWS = [{"question": f"q{i}", "answer": str(i), "hint": f"h{i}"} for i in range(6)]
 REWARDS = '''
-import math, time
+import math, threading, time
+
+release = threading.Event()  # set by a test when it is done with the calls it abandoned
 
 def short(completions, **kwargs):
     return [float(len(c) < 5) for c in completions]
@@ -32,7 +34,18 @@ def picky(completions, **kwargs):
 
 def slow(completions, **kwargs):
     if any("slow" in c for c in completions):
-        time.sleep(5)
+        release.wait(600)  # hung on something outside: uses no CPU
+    return [1.0 for _ in completions]
+
+def spin(completions, **kwargs):
+    while not release.is_set():
+        pass
+    return [1.0 for _ in completions]
+
+def crunch(completions, **kwargs):
+    start = time.thread_time()  # 0.5 s of this thread's CPU time, however long the machine takes to give it
+    while time.thread_time() - start < 0.5:
+        pass
     return [1.0 for _ in completions]
 
 def positional(x, /, completions):
@@ -88,10 +101,10 @@ def test_validation_is_carved_seeded_and_disjoint(data):
     assert list(again.load("validation")) == list(validation)
 
 
-def test_the_template_fills_columns_and_an_unknown_one_fails_at_load(data):
+def test_the_template_fills_columns_and_an_unknown_one_is_refused(data):
     task = build("task.path=train.jsonl", "task.user_template='{question} (hint: {hint})'", "task.system_prompt=''")
     assert task.prompt(task.load("train")[0]) == [{"role": "user", "content": "q0 (hint: h0)"}]
-    with pytest.raises(UserError, match=r"train.jsonl: row 1 is missing column `nope`"):
+    with pytest.raises(UserError, match=r"task.user_template '\{nope\}': `train.jsonl` has no column `nope`"):
         build("task.path=train.jsonl", "task.user_template='{nope}'").load("train")
 
 
@@ -166,14 +179,43 @@ def test_a_hanging_reward_is_bounded_in_time(data):
     _, mod = data
     rows = list(build("task.path=train.jsonl").load("train"))[:2]
     task = build("task.path=train.jsonl", f"task.rewards=[{mod}:slow]", "task.reward_timeout_s=0.2")
-    started = time.monotonic()
-    with pytest.raises(UserError, match=r"`slow`.*did not return within task.reward_timeout_s=0.2 s"):
-        score(task, "dataset", ["slow", "b"], rows)
-    assert time.monotonic() - started < 3
-    zero = build("task.path=train.jsonl", f"task.rewards=[{mod}:slow]", "task.reward_timeout_s=0.2",
-                 "task.reward_errors=zero")
-    rewards = score(zero, "dataset", ["slow", "b"], rows)
-    assert rewards.components["slow"] == [0.0, 1.0] and rewards.metrics["errors"] == 1.0
+    try:
+        with pytest.raises(UserError, match=r"`slow`.*did not return within task.reward_timeout_s=0.2 s on 2 "
+                                            r"completions \(waiting: no CPU used"):
+            score(task, "dataset", ["slow", "b"], rows)
+        zero = build("task.path=train.jsonl", f"task.rewards=[{mod}:slow]", "task.reward_timeout_s=0.2",
+                     "task.reward_errors=zero")
+        rewards = score(zero, "dataset", ["slow", "b"], rows)
+        assert rewards.components["slow"] == [0.0, 1.0] and rewards.metrics["errors"] == 1.0
+    finally:
+        sys.modules[mod].release.set()
+
+
+@pytest.mark.skipif(not user_rewards.CPU_CLOCKS, reason="no thread CPU clock here: the bound is wall time")
+def test_a_spinning_reward_is_bounded_by_its_cpu_time(data, monkeypatch):
+    _, mod = data
+    # Only the CPU bound can stop it: the wall backstop is moved out of reach (600 s), and it never waits.
+    monkeypatch.setattr(user_rewards, "WALL_FACTOR", 3000)
+    rows = list(build("task.path=train.jsonl").load("train"))[:2]
+    task = build("task.path=train.jsonl", f"task.rewards=[{mod}:spin]", "task.reward_timeout_s=0.2")
+    try:
+        with pytest.raises(UserError, match=r"`spin`.*did not return within task.reward_timeout_s=0.2 s on 2 "
+                                            r"completions \(computing: "):
+            score(task, "dataset", ["a", "b"], rows)
+    finally:
+        sys.modules[mod].release.set()  # the abandoned call stops spinning
+
+
+@pytest.mark.skipif(not user_rewards.CPU_CLOCKS, reason="no thread CPU clock here: the bound is wall time")
+def test_a_computing_reward_within_its_cpu_time_is_not_failed_by_load(data, monkeypatch):
+    """0.5 CPU s against a 1 s bound, on a core shared four ways: 2 s of wall time or more, yet it passes."""
+    _, mod = data
+    monkeypatch.setattr(user_rewards, "WALL_FACTOR", 600)  # the wall backstop only stops a broken test here
+    rows = list(build("task.path=train.jsonl").load("train"))[:2]
+    task = build("task.path=train.jsonl", f"task.rewards=[{mod}:crunch]", "task.reward_timeout_s=1")
+    with crowded_core():  # the call's thread starts on the crowded core
+        rewards = score(task, "dataset", ["a", "b"], rows)
+    assert rewards.components["crunch"] == [1.0, 1.0] and rewards.metrics.get("errors", 0.0) == 0.0
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -54,7 +54,7 @@ def _engine_checks(engine) -> dict:
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     trainer = batch_logprobs(engine.module, sampled, 8, 0.7)  # [N, L]
     m = sampled.completion_mask.bool()
-    result["sampled_max_abs_diff"] = float((trainer - sampled.sampler_logprobs)[m].abs().max())
+    result["sampled_max_abs_diff"] = float((trainer - sampled.generator_logprobs)[m].abs().max())
 
     generated, rewarded = [], []
     plain_generate, plain_reward = backend.generate, engine.task.reward

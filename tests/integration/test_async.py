@@ -10,8 +10,6 @@ import importlib.util
 import os
 import signal
 import subprocess
-import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -19,44 +17,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpo.config import compose
-from gpo.engine import Engine
 from gpo.generator import GeneratorWeights, sampling_version
 from gpo.logprobs import TokenLogprobs, batch_logprobs
 from gpo.metrics import PhaseTimer
-from test_faults import ended_within, final_params
-from test_multiprocess import COMMON as MULTI_RANK_COMMON
-from test_multiprocess import PLUGINS, finish, records, start
-
-sys.path.insert(0, str(PLUGINS))  # gpo_toy for the runs in this process
-
-SMALL = ["tracker=none", "task=toy", "plugins=[gpo_toy]", "train.group_size=4", "train.questions_per_step=2",
-         "train.max_completion_length=8", "train.micro_batch_size=8", "optim.lr=1e-2", "optim.warmup_ratio=0",
-         "optim.schedule=constant", "eval.before_and_after=false"]
-
-
-def engine(model: str, tmp_path, *extra: str) -> Engine:
-    return Engine(compose([f"model.path={model}", f"output_dir={tmp_path}", *SMALL, *extra]))
-
-
-def recorded(eng: Engine) -> list:
-    """The rows each step was given by the rollout source, in order."""
-    seen: list = []
-    plain = eng.rollouts.next
-
-    def next_step(step, timer):
-        produced = plain(step, timer)
-        seen.append(copy.deepcopy(produced.rows))
-        return produced
-
-    eng.rollouts.next = next_step
-    return seen
+from kit import HANG_S, MULTI_RANK, SMALL, ended, final_params, finish, recorded, records, start, toy_engine, until
 
 
 def test_every_row_is_sampled_by_its_scheduled_version_and_trained_within_the_bound(tiny_model_path, tmp_path):
     k, steps = 2, 5
-    eng = engine(tiny_model_path, tmp_path, f"train.max_staleness={k}", f"train.steps={steps}", "algo=dapo",
-                 "pruner=topk", "pruner.rate=0.5", "allocator=dynamic")
+    eng = toy_engine(tiny_model_path, tmp_path, f"train.max_staleness={k}", f"train.steps={steps}", "algo=dapo",
+                     "pruner=topk", "pruner.rate=0.5", "allocator=dynamic")
     seen = recorded(eng)
     metrics = [eng.step() for _ in range(steps)]
     generator = eng.rollouts.link.process
@@ -77,8 +47,8 @@ def test_every_row_is_sampled_by_its_scheduled_version_and_trained_within_the_bo
 def test_the_generators_logprobs_are_the_behaviour_policy_the_correction_weighs_against(tiny_model_path, tmp_path):
     """Step 1 of k = 1 is sampled by version 0 and trained at version 1: its rows' generator log-probs are version
     0's, and the token-level correction (tis, cap 2) weighs each token by min(pi_1 / pi_0, 2)."""
-    eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=2", "correction=tis",
-                 "correction.cap=2")
+    eng = toy_engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=2", "correction=tis",
+                     "correction.cap=2")
     version0 = copy.deepcopy(eng.policy)
     seen = recorded(eng)
     weights: list[torch.Tensor] = []
@@ -100,7 +70,7 @@ def test_the_generators_logprobs_are_the_behaviour_policy_the_correction_weighs_
     mask = rows.completion_mask.bool()
     pi0 = batch_logprobs(TokenLogprobs(version0), rows, 8, 1.0)  # [N, L]
     pi1 = batch_logprobs(TokenLogprobs(version1), rows, 8, 1.0)
-    torch.testing.assert_close(rows.sampler_logprobs[mask], pi0[mask], atol=2e-5, rtol=0)
+    torch.testing.assert_close(rows.generator_logprobs[mask], pi0[mask], atol=2e-5, rtol=0)
     assert (pi1 - pi0)[mask].abs().max() > 1e-3  # the step moved the policy: the weights below are not all 1
     expected = torch.exp(pi1 - pi0).clamp(max=2.0)
     got = torch.cat([w for w in weights])[: len(rows)]
@@ -116,7 +86,7 @@ def test_inflight_a_call_inside_a_step_samples_with_weights_published_during_the
     """train.weight_updates=inflight, driven in this process: the trainer publishes version 1 while step 0 is still
     generating (after its first generation call), and the next call takes it. The first call's rows carry
     version 0's log-probs, the later calls' rows version 1's, each row labelled with its own version."""
-    eng = engine(tiny_model_path, tmp_path, *TWO_ROUNDS)
+    eng = toy_engine(tiny_model_path, tmp_path, *TWO_ROUNDS)
     version0, version1 = copy.deepcopy(eng.policy), copy.deepcopy(eng.policy)
     with torch.no_grad():
         for p in version1.parameters():
@@ -146,7 +116,7 @@ def test_inflight_a_call_inside_a_step_samples_with_weights_published_during_the
         assert batch.versions.tolist() == [version] * len(batch)
         mask = batch.completion_mask.bool()
         pi = batch_logprobs(TokenLogprobs(policy), batch, 8, 1.0)  # [N, L]
-        torch.testing.assert_close(batch.sampler_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
+        torch.testing.assert_close(batch.generator_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
     kept = produced.rows.versions.tolist()
     assert set(kept) <= {0, 1} and len(kept) == len(produced.rows)
 
@@ -157,8 +127,8 @@ def test_an_inflight_run_keeps_the_bound_and_each_row_carries_the_log_probs_of_i
     decides), the row says so truthfully (its generator log-probs are that version's) and it is trained within
     the bound."""
     k, steps = 2, 4
-    eng = engine(tiny_model_path, tmp_path, f"train.max_staleness={k}", f"train.steps={steps}",
-                 "train.weight_updates=inflight", *TWO_ROUNDS)
+    eng = toy_engine(tiny_model_path, tmp_path, f"train.max_staleness={k}", f"train.steps={steps}",
+                     "train.weight_updates=inflight", *TWO_ROUNDS)
     seen = recorded(eng)
     versions = [copy.deepcopy(eng.policy)]
     metrics = []
@@ -175,7 +145,7 @@ def test_an_inflight_run_keeps_the_bound_and_each_row_carries_the_log_probs_of_i
             mine = rows.select(rows.versions == v)
             mask = mine.completion_mask.bool()
             pi = batch_logprobs(TokenLogprobs(versions[v]), mine, 8, 1.0)
-            torch.testing.assert_close(mine.sampler_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
+            torch.testing.assert_close(mine.generator_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -185,13 +155,13 @@ def test_two_ranks_with_their_generators_killed_and_resumed_train_what_one_proce
     and the generators gather the step's rows among themselves, as lockstep ranks do. Rank 1 SIGKILLed in step 3
     leaves a checkpoint after step 2 whose queue holds step 2 (sampled by version 1); resumed on two ranks, the run
     ends with the weights of one uninterrupted process with one generator."""
-    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=none", *MULTI_RANK_COMMON,
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=none", *MULTI_RANK,
             "plugins=[gpo_toy,gpo_probe,gpo_faults]", "train.steps=4", "train.max_staleness=1", "checkpoint.every=1"]
     two = [*base, "run_name=two", "engine=ddp", "engine.num_processes=2"]
     one = start([*base, "run_name=one"], tmp_path / "one.jsonl")
     killed = start(two, tmp_path / "killed.jsonl", env={"GPO_FAULT_KILL": "1:3"})
     finish(one)
-    status, out, _ = ended_within(killed, 300)
+    status, out = ended(killed)
     assert status != 0 and "gpo_faults: rank 1 kills itself in step 3" in out, out[-4000:]
     held = torch.load(tmp_path / "two/checkpoints/step-0000002/rollout_queue.pt", weights_only=False)
     assert [p.rows.versions.unique().tolist() for p in held] == [[1]]
@@ -221,7 +191,7 @@ def vllm_gaps(rows, versions: list, version: int) -> tuple[float, float]:
     mask = rows.completion_mask.bool()
     behaviour = batch_logprobs(TokenLogprobs(versions[version]), rows, 8, 1.0)  # [N, L]
     other = batch_logprobs(TokenLogprobs(versions[1 - version]), rows, 8, 1.0)
-    return float((rows.sampler_logprobs - behaviour)[mask].abs().max()), float((other - behaviour)[mask].abs().max())
+    return float((rows.generator_logprobs - behaviour)[mask].abs().max()), float((other - behaviour)[mask].abs().max())
 
 
 @pytest.mark.slow
@@ -233,8 +203,8 @@ def test_a_vllm_generator_samples_each_step_with_its_scheduled_versions_weights(
     generator's vLLM between steps."""
     from vllm_checks import build_tiny_model  # head_dim 64: vLLM's CPU attention has no kernel for the fixture's 16
 
-    eng = engine(build_tiny_model(tmp_path / "tiny"), tmp_path, "backend=vllm", "train.max_staleness=1",
-                 "train.steps=3", "algo.beta=0")
+    eng = toy_engine(build_tiny_model(tmp_path / "tiny"), tmp_path, "backend=vllm", "train.max_staleness=1",
+                     "train.steps=3", "algo.beta=0")
     versions = [copy.deepcopy(eng.policy)]
     seen = recorded(eng)
     for _ in range(3):
@@ -264,7 +234,7 @@ def test_two_ranks_each_with_a_vllm_generator_sample_with_their_scheduled_versio
     model = build_tiny_model(tmp_path / "tiny")
     probe = tmp_path / "probe"
     probe.mkdir()
-    common = [a for a in MULTI_RANK_COMMON if not a.startswith("backend.")]  # vLLM has no batch_size
+    common = [a for a in MULTI_RANK if not a.startswith("backend.")]  # vLLM has no batch_size
     args = [f"model={model}", f"output_dir={tmp_path}", "tracker=none", *common, "backend=vllm", "optim.lr=1e-2",
             "train.max_staleness=1", "train.steps=3", "algo.beta=0", "engine=ddp", "engine.num_processes=2",
             "run_name=two", "checkpoint.save_final_model=false"]
@@ -286,11 +256,12 @@ def test_two_ranks_each_with_a_vllm_generator_sample_with_their_scheduled_versio
 
 
 def test_a_generator_that_dies_is_restarted_and_the_run_goes_on(tiny_model_path, tmp_path):
-    eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=4")
+    eng = toy_engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=4")
     first = [eng.step(), eng.step()]
     victim = eng.rollouts.link.process
     os.kill(victim.pid, signal.SIGKILL)
-    victim.join(timeout=30)
+    victim.join(timeout=HANG_S)  # SIGKILL cannot be ignored: only a hang would outlast this
+    assert victim.exitcode == -signal.SIGKILL, f"the generator had not died of SIGKILL after {HANG_S:g} s"
     rest = [eng.step(), eng.step()]
     eng.close()
     assert first[-1]["async/generator_restarts"] == 0 and rest[-1]["async/generator_restarts"] == 1
@@ -302,12 +273,12 @@ def test_rows_over_a_tighter_bound_are_dropped_and_counted(tiny_model_path, tmp_
     """A checkpoint of a k = 2 run after step 2, resumed with k = 1: its queued steps 2 and 3 were sampled by
     versions 0 and 1, two versions before the trainer's, so none of their rows is trained; step 4, sampled by the
     resumed generator with version 3, is within the new bound."""
-    first = engine(tiny_model_path, tmp_path, "train.max_staleness=2", "train.steps=4", "run_name=bound")
+    first = toy_engine(tiny_model_path, tmp_path, "train.max_staleness=2", "train.steps=4", "run_name=bound")
     first.step(), first.step()
     first.save()
     first.close()
-    again = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=5", "run_name=bound",
-                   "resume=auto")
+    again = toy_engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=5", "run_name=bound",
+                       "resume=auto")
     again.restore(again.resume_path())
     steps = [again.step() for _ in range(3)]
     again.close()
@@ -318,8 +289,9 @@ def test_rows_over_a_tighter_bound_are_dropped_and_counted(tiny_model_path, tmp_
 
 
 def session_processes(sid: int) -> list[str]:
-    out = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(sid)], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.strip()]
+    """The processes of session `sid` still running (a zombie has ended; only its reaping is left)."""
+    out = subprocess.run(["ps", "-o", "stat=,pid=,args=", "-s", str(sid)], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip() and not line.lstrip().startswith("Z")]
 
 
 @pytest.mark.slow
@@ -333,12 +305,10 @@ def test_sigkill_with_a_queue_ends_the_generator_and_resume_reproduces_the_unint
     straight = start([*base, "run_name=straight"], tmp_path / "straight.jsonl")
     killed = start([*base, "run_name=killed"], tmp_path / "killed.jsonl", env={"GPO_FAULT_KILL": "0:3"})
     finish(straight)
-    status, out, _ = ended_within(killed, 300)
+    status, out = ended(killed)
     assert status != 0 and "gpo_faults: rank 0 kills itself in step 3" in out, out[-4000:]
-    deadline = time.monotonic() + 20
-    while session_processes(killed.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert session_processes(killed.pid) == []  # the generator ended with its trainer
+    # The kernel kills the generator when its trainer dies (PR_SET_PDEATHSIG): wait for that, however long it takes.
+    until(lambda: not session_processes(killed.pid), "end of the generator after its trainer was killed")
 
     queued = tmp_path / "killed" / "checkpoints" / "step-0000002" / "rollout_queue.pt"
     held = torch.load(queued, weights_only=False)

@@ -14,12 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from gpo.logprobs import TokenLogprobs, batch_logprobs
-from test_async import engine, recorded
-from test_multiprocess import PLUGINS
+from kit import MULTI_RANK, final_params, finish, plugins_importable, recorded, records, start, toy_engine
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="pip install 'gpo[ray]'")]
-sys.path.insert(0, str(PLUGINS))
+plugins_importable()  # before the Ray cluster starts: its workers get this process's sys.path
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +35,8 @@ def test_a_ray_actor_generator_samples_and_trains_what_a_generator_process_does(
                                                                                 tmp_path):
     runs = {}
     for where in ("process", "ray"):
-        eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=3",
-                     f"engine.generator={where}", f"run_name={where}")
+        eng = toy_engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=3",
+                         f"engine.generator={where}", f"run_name={where}")
         seen = recorded(eng)
         metrics = [eng.step() for _ in range(3)]
         runs[where] = (seen, metrics, {k: v.detach().clone() for k, v in eng.policy.state_dict().items()})
@@ -47,7 +46,7 @@ def test_a_ray_actor_generator_samples_and_trains_what_a_generator_process_does(
     # weights' (stale weights in the actor would change them, though maybe not the sampled tokens).
     for a, b in zip(p_rows, r_rows, strict=True):
         assert b.versions.tolist() == a.versions.tolist() and torch.equal(b.completion_ids, a.completion_ids)
-        torch.testing.assert_close(b.sampler_logprobs, a.sampler_logprobs, atol=1e-6, rtol=0)
+        torch.testing.assert_close(b.generator_logprobs, a.generator_logprobs, atol=1e-6, rtol=0)
     assert [m["async/staleness_mean"] for m in r_metrics] == [0.0, 1.0, 1.0]
     initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
     for name, value in p_weights.items():
@@ -58,7 +57,7 @@ def test_a_ray_actor_generator_samples_and_trains_what_a_generator_process_does(
 def test_an_actor_that_dies_is_replaced_and_the_run_goes_on(local_ray, tiny_model_path, tmp_path):
     """The replacement starts from the last published weights, not the trainer's newer ones: every row's generator
     log-probs are those of the version it names."""
-    eng = engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=4", "engine.generator=ray")
+    eng = toy_engine(tiny_model_path, tmp_path, "train.max_staleness=1", "train.steps=4", "engine.generator=ray")
     seen = recorded(eng)
     delivered = eng.rollouts.next
 
@@ -82,21 +81,18 @@ def test_an_actor_that_dies_is_replaced_and_the_run_goes_on(local_ray, tiny_mode
             mine = rows.select(rows.versions == v)
             mask = mine.completion_mask.bool()
             pi = batch_logprobs(TokenLogprobs(versions[v]), mine, 8, 1.0)  # [N, L]
-            torch.testing.assert_close(mine.sampler_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
+            torch.testing.assert_close(mine.generator_logprobs[mask], pi[mask], atol=2e-5, rtol=0)
 
 
 def test_two_ranks_each_with_an_actor_train_what_one_process_with_its_generator_trains(tiny_model_path, tmp_path):
     """engine.num_processes=2 with engine.generator=ray: rank 0 starts a local Ray cluster and rank 1 joins it; each
     rank's actor samples that rank's share of every step, the actors gather the rows among themselves, and the run
     ends with the weights of one process with a spawned generator."""
-    from test_faults import final_params
-    from test_multiprocess import COMMON, finish, records, start
-
-    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=none", *COMMON, "train.steps=3",
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=none", *MULTI_RANK, "train.steps=3",
             "train.max_staleness=1"]
     one = finish(start([*base, "run_name=one"], tmp_path / "one.jsonl"))
     two = finish(start([*base, "run_name=two", "engine=ddp", "engine.num_processes=2", "engine.generator=ray"],
-                       tmp_path / "two.jsonl"), timeout=600)
+                       tmp_path / "two.jsonl"))
     assert "launching 2 processes" in two and "Started a local Ray instance" in two, (one[-2000:], two[-4000:])
     p1, p2 = final_params(tmp_path / "one"), final_params(tmp_path / "two")
     for name in p1:

@@ -28,6 +28,8 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     # and a plain module named by the `plugins` key.
     entry_point = make_plugin(tmp_path_factory.mktemp("ep"), "gpo_test_cli_plugin", "every_other")
     module = make_plugin(tmp_path_factory.mktemp("mod"), "gpo_test_cli_mod", "every_third", entry_point=False)
+    taken = tmp_path_factory.mktemp("taken") / "taken"  # an output_dir that is a file
+    taken.write_text("")
     return run_gpo_all({
         "dry_run": (["run", "--dry-run", "algo=grpo", "pruner=none", "allocator=static", "train.steps=3"], []),
         "unknown_pick": (["run", "algo=nope"], []),
@@ -36,6 +38,7 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         "entry_point": (["list", "pruner"], [entry_point]),
         "plugins_key": (["run", "--dry-run", "pruner=every_third", "plugins=[gpo_test_cli_mod]", "pruner.offset=2"],
                         [module]),
+        "output_dir_taken": (["run", "tracker=none", "backend=hf", f"output_dir={taken}"], []),
     })
 
 
@@ -89,3 +92,10 @@ def test_a_plugins_key_brings_a_component_into_a_dry_run(runs):
     cfg = yaml.safe_load(out.stdout)
     assert cfg["pruner"] == {"name": "every_third", "offset": 2}
     assert cfg["plugins"] == ["gpo_test_cli_mod"]
+
+
+def test_the_refusal_is_a_real_exit_code_2_without_traceback(runs):
+    # What used to end in an internal-error traceback when the engine created the run folder.
+    proc = runs["output_dir_taken"]
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("gpo: error: output_dir=") and "Traceback" not in proc.stderr

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from test_engine import RowCounter, tiny_config
+from kit import RowCounter, tiny_config
 
 QUICK = ["algo=grpo", "algo.beta=0", "pruner=none", "allocator=static"]
 
@@ -33,7 +33,7 @@ def report_logprobs(engine, monkeypatch: pytest.MonkeyPatch, perturb: Callable[[
         return completions
 
     monkeypatch.setattr(backend, "generate", generating)
-    monkeypatch.setattr(backend, "sampled_logprobs", lambda: list(reported))
+    monkeypatch.setattr(backend, "generator_logprobs", lambda: list(reported))
 
 
 def test_none_still_logs_the_mismatch_and_adds_no_pass(tiny_model_path, tmp_path, monkeypatch):
@@ -44,7 +44,7 @@ def test_none_still_logs_the_mismatch_and_adds_no_pass(tiny_model_path, tmp_path
     counter = RowCounter(monkeypatch)
     metrics = engine.step()
     assert sum(counter.rows) == metrics["train/rows"]  # the training pass only: pi_old is its own, detached
-    # d = log pi_old - log pi_gen = -0.25 on every token (up to the two forwards' float32 rounding)
+    # d = log pi_old - log pi_generator = -0.25 on every token (up to the two forwards' float32 rounding)
     assert metrics["mismatch/logp_abs_mean"] == pytest.approx(0.25, abs=1e-3)
     assert metrics["mismatch/logp_abs_max"] == pytest.approx(0.25, abs=1e-3)
     # k3 = exp(d) - 1 - d = e^-0.25 - 0.75 = 0.02880
@@ -57,7 +57,7 @@ def test_icepop_drops_tokens_from_the_step_after_a_pi_old_pass(tiny_model_path, 
 
     engine = Engine(tiny_config(tiny_model_path, tmp_path, *QUICK, "correction=icepop"))
 
-    def first_token_off(logp):  # pi_old / pi_gen = e^2 = 7.4 > 5 on each row's first token: icepop drops it
+    def first_token_off(logp):  # pi_old / pi_generator = e^2 = 7.4 > 5 on each row's first token: icepop drops it
         return torch.cat([logp[:1] - 2.0, logp[1:]])
 
     report_logprobs(engine, monkeypatch, first_token_off)
@@ -76,7 +76,7 @@ def test_tis_with_mu_two_weighs_from_the_old_pass(tiny_model_path, tmp_path, mon
 
     engine = Engine(tiny_config(tiny_model_path, tmp_path, *QUICK, "train.mu=2", "correction=tis",
                                 "correction.cap=1.1"))
-    report_logprobs(engine, monkeypatch, lambda logp: logp - 0.5)  # pi_old / pi_gen = e^0.5 = 1.65 > 1.1
+    report_logprobs(engine, monkeypatch, lambda logp: logp - 0.5)  # pi_old / pi_generator = e^0.5 = 1.65 > 1.1
     metrics = engine.step()
     assert metrics["correction/truncated_frac"] == 1.0 and metrics["correction/weight_mean"] == pytest.approx(1.1)
     assert metrics["correction/masked_frac"] == 0.0 and metrics["mismatch/logp_abs_mean"] == pytest.approx(0.5,

@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 
 from gpo.config import EngineConfig, OptimConfig, TrainConfig
 from gpo.parallel import deepspeed_config
-from test_multiprocess import COMMON, finish, records, start
+from kit import MULTI_RANK, finish, records, start
 
 # find_spec, not importorskip: importing DeepSpeed costs seconds in every test worker that collects this file.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
-STEPS = [a for a in COMMON if not a.startswith("train.steps=")] + ["train.steps=2", "tracker=none"]
+STEPS = [a for a in MULTI_RANK if not a.startswith("train.steps=")] + ["train.steps=2", "tracker=none"]
 
 
 @pytest.mark.slow
@@ -35,7 +35,7 @@ def test_zero2_and_zero3_train_like_one_process(tiny_model_path, tmp_path):
                   launcher=accelerate)
     zero3 = start([*base, "run_name=zero3", "engine=zero3"], tmp_path / "zero3.jsonl")
     for proc in (one, zero2, zero3):
-        finish(proc, timeout=600)
+        finish(proc)
 
     initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
     reference = load_file(str(tmp_path / "one/final/model.safetensors"))
@@ -61,13 +61,13 @@ def test_zero3_with_offload_and_bf16_resumes_where_it_left_off(tiny_model_path, 
     weights. (Two launches of 2 ranks, not three: the uninterrupted run is the one that left the checkpoint.)"""
     base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *STEPS, "engine=zero3", "engine.offload=true",
             "engine.mixed_precision=bf16", "optim.schedule=constant", "run_name=run", "checkpoint.every=1"]
-    finish(start(base, tmp_path / "straight.jsonl"), timeout=600)
+    finish(start(base, tmp_path / "straight.jsonl"))
     run = tmp_path / "run"
     initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
     a = load_file(str(run / "final/model.safetensors"))
     shutil.rmtree(run / "checkpoints" / "step-0000002")
     shutil.rmtree(run / "final")
-    out = finish(start([*base, "resume=auto"], tmp_path / "resumed.jsonl"), timeout=600)
+    out = finish(start([*base, "resume=auto"], tmp_path / "resumed.jsonl"))
     assert "resumed from" in out and "at step 1" in out
 
     b = load_file(str(run / "final/model.safetensors"))

@@ -4,42 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from gpo import registry
-from gpo.config import compose
-from gpo.logprobs import TokenLogprobs
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
-
-TINY = [
-    "tracker=none", "task=toy", "plugins=[gpo_toy]",
-    "train.questions_per_step=2", "train.group_size=4", "train.max_completion_length=8",
-    "train.micro_batch_size=4", "optim.lr=1e-2", "optim.warmup_ratio=0", "eval.before_and_after=false",
-]
-
-
-def tiny_config(tiny_model_path: str, tmp_path: Path, *extra: str):
-    return compose([f"model={tiny_model_path}", f"output_dir={tmp_path}", *TINY, *extra])
-
-
-class RowCounter:
-    """Counts rows through every TokenLogprobs forward (old, ref and training passes) by wrapping the method."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.rows: list[int] = []
-        original = TokenLogprobs.forward
-
-        def counted(module, prompt_ids, *args, **kwargs):
-            self.rows.append(prompt_ids.shape[0])
-            return original(module, prompt_ids, *args, **kwargs)
-
-        monkeypatch.setattr(TokenLogprobs, "forward", counted)
-
+from kit import RowCounter, tiny_config
 
 PAPER_ALGO = "grpo"  # CPPO's objective: with it, every pruner x allocator combination runs
 

@@ -6,45 +6,23 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from gpo import checkpoint
 from gpo.config import compose
 from gpo.errors import UserError
 from gpo.tasks.math import Math, MathConfig
-from kit import kill_run
-from test_multiprocess import COMMON, PLUGINS, finish, start
+from kit import MULTI_RANK, ended, final_params, finish, plugins_importable, start
 
-sys.path.insert(0, str(PLUGINS))  # gpo_toy for the runs in this process
+plugins_importable()  # gpo_toy for the runs in this process
 
 # 3 steps with a checkpoint after each; a fault in step 3 leaves step-0000001 and step-0000002 behind.
-TWO_RANKS = [*COMMON, "plugins=[gpo_toy,gpo_probe,gpo_faults]", "train.steps=3", "checkpoint.every=1",
+TWO_RANKS = [*MULTI_RANK, "plugins=[gpo_toy,gpo_probe,gpo_faults]", "train.steps=3", "checkpoint.every=1",
              "tracker=none", "engine=ddp", "engine.num_processes=2"]
 LOST_PEER = "a collective operation with the other ranks failed"
-
-
-def ended_within(proc, seconds: float) -> tuple[int, str, float]:
-    """(exit status, output, seconds) of a run that must end within `seconds`; past that, the launcher and every
-    rank are killed (none is left to slow the tests after it) and the test fails with the output so far."""
-    started = time.monotonic()
-    try:
-        out, _ = proc.communicate(timeout=seconds)
-    except subprocess.TimeoutExpired:
-        out = kill_run(proc)
-        pytest.fail(f"the run did not end within {seconds} s; its output:\n{out[-6000:]}")
-    return proc.returncode, out, time.monotonic() - started
-
-
-def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
 @pytest.mark.slow
@@ -53,7 +31,7 @@ def test_killed_rank_stops_the_other_and_resume_reproduces_the_uninterrupted_run
     straight = start([*base, "run_name=straight"], tmp_path / "straight.jsonl")
     killed = start([*base, "run_name=killed"], tmp_path / "killed.jsonl", env={"GPO_FAULT_KILL": "1:3"})
     finish(straight)
-    status, out, _ = ended_within(killed, 300)
+    status, out = ended(killed)
 
     assert status != 0 and "gpo_faults: rank 1 kills itself in step 3" in out, out[-6000:]
     # The survivor names the failure and how to continue, instead of a traceback or a hang.
@@ -76,13 +54,14 @@ def test_killed_rank_stops_the_other_and_resume_reproduces_the_uninterrupted_run
 
 @pytest.mark.slow
 def test_hung_rank_fails_the_other_after_the_collective_timeout(tiny_model_path, tmp_path):
+    # The survivor's message names the timeout it waited (60 s, not torch's 30 minutes). The timeout bounds every
+    # collective from the rendezvous on, so it is far above how far two healthy ranks drift apart on a busy machine.
     args = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *TWO_RANKS, "run_name=hung",
-            "engine.collective_timeout_s=5"]
-    status, out, seconds = ended_within(start(args, tmp_path / "hung.jsonl", env={"GPO_FAULT_HANG": "1:3"}), 300)
+            "engine.collective_timeout_s=60"]
+    status, out = ended(start(args, tmp_path / "hung.jsonl", env={"GPO_FAULT_HANG": "1:3"}))
     assert status != 0 and "gpo_faults: rank 1 hangs in step 3" in out, out[-6000:]
-    assert f"rank 0 of 2: {LOST_PEER} (Timed out waiting 5000ms" in out, out[-4000:]
+    assert f"rank 0 of 2: {LOST_PEER} (Timed out waiting 60000ms" in out, out[-4000:]
     assert "internal error" not in out
-    assert seconds < 120  # start-up, 2 steps, the 5 s timeout and the launcher's shutdown; not torch's 30 minutes
 
 
 # --- damaged checkpoints (one process, in this process) ---------------------------------------------------------
@@ -155,24 +134,31 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(tiny_model_path
 # --- a math-verify worker killed mid-item ---------------------------------------------------------------------
 
 
-def test_killed_verify_worker_is_replaced_and_its_item_scores_zero_and_counts():
+def test_killed_verify_worker_is_replaced_and_its_item_scores_zero_and_counts(monkeypatch):
+    from gpo.tasks import math as math_task
+
     def boxed(answer: str) -> str:
         return f"<think>work</think>\n<answer>\\boxed{{{answer}}}</answer>"
 
-    # One worker whose own limit is far off, so it is still busy with the 100 KB of braces when it is killed.
+    # The worker is killed the moment it is handed the 100 KB of braces, so it dies holding the item whatever the
+    # machine's speed; its own limit is far off, so only noticing the death can end the item early.
+    hand_over = math_task._Worker.assign
+
+    def assign_then_kill(worker, index, jobs):
+        hand_over(worker, index, jobs)
+        if jobs[index][1].startswith("{"):
+            os.kill(worker.process.pid, signal.SIGKILL)
+
     task = Math(MathConfig(workers=1, verify_timeout_s=60.0))
     try:
         assert task.reward([boxed("1")], [{"gold": "1"}]).components["accuracy"] == [2.0]  # worker up and ready
         (victim,) = task._pool.worker_pids()
-        killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
-        killer.start()
-        started = time.monotonic()
+        monkeypatch.setattr(math_task._Worker, "assign", assign_then_kill)
         rewards = task.reward([boxed("{" * 50_000 + "}" * 50_000), boxed("3")], [{"gold": "1"}, {"gold": "3"}])
-        killer.join()
-        assert time.monotonic() - started < 30  # noticed at once, not after the 60 s limit
         assert rewards.components["accuracy"] == [0.0, 2.0]  # the replacement verified the next item
         assert rewards.metrics["verify_workers_lost"] == 1 and rewards.metrics["verify_failures"] == 1
-        assert rewards.metrics["verify_timeouts"] == 0
+        assert rewards.metrics["verify_timeouts"] == 0  # noticed as a death, not waited out as a timeout
+        assert task._pool.backstops == {"cpu": 0, "wall": 0}
         assert task._pool.worker_pids() != [victim]
         again = task.reward([boxed("2")], [{"gold": "2"}])  # the run goes on
         assert again.components["accuracy"] == [2.0] and again.metrics["verify_failures"] == 0

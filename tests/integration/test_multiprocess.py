@@ -3,10 +3,6 @@ trains exactly what one process trains on the same global batch, and only rank 0
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,43 +12,7 @@ from safetensors.torch import load_file
 from gpo import launch
 from gpo.config import EngineConfig
 from gpo.errors import UserError
-from kit import kill_run
-
-PLUGINS = Path(__file__).parents[1] / "plugins"
-# 4 questions x G=4, top-2 per group: 8 kept rows, 4 per rank; 2 rows per micro-batch, so each rank accumulates
-# 2 micro-batches (one process: 4) before its single optimizer step. backend.batch_size=G samples one prompt per
-# generate call, so a prompt's samples depend only on its global index, not on which rank drew it.
-COMMON = [
-    "task=toy", "plugins=[gpo_toy,gpo_probe]", "algo=grpo", "pruner=topk", "pruner.rate=0.5", "pruner.scope=group",
-    "allocator=static", "train.steps=1", "train.questions_per_step=4", "train.group_size=4",
-    "train.max_completion_length=8", "train.micro_batch_size=2", "backend.batch_size=4", "optim.lr=1e-3",
-    "optim.warmup_ratio=0", "eval.before_and_after=false",
-]
-
-
-def start(args: list[str], probe: Path, env: dict[str, str] | None = None,
-          launcher: list[str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, **(env or {}), "GPO_PROBE": str(probe),
-           "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
-    env.pop("WORLD_SIZE", None)
-    cmd = [*(launcher or [sys.executable]), "-m", "gpo", "run", *args]
-    # Its own session, so a test that gives up on it can stop the launcher and every rank (kit.kill_run).
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # stop the launcher and every rank, and show how far the run got
-        out = kill_run(proc)
-        pytest.fail(f"the run did not end within {timeout} s; its output:\n{out[-6000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
-
-
-def records(probe: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, probe.read_text().splitlines()) if r["kind"] == kind]
+from kit import MULTI_RANK, finish, records, start
 
 
 def mlflow_runs(run_dir: Path) -> list:
@@ -64,7 +24,7 @@ def mlflow_runs(run_dir: Path) -> list:
 
 @pytest.mark.slow
 def test_two_ranks_train_exactly_what_one_process_trains(tiny_model_path, tmp_path):
-    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=mlflow", *COMMON]
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=mlflow", *MULTI_RANK]
     one = start([*base, "run_name=one"], tmp_path / "one.jsonl")
     two = start([*base, "run_name=two", "engine=ddp", "engine.num_processes=2"], tmp_path / "two.jsonl")
     finish(one)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_multiprocess import COMMON, finish, records, start
+from kit import MULTI_RANK, finish, records, start
 
 
 @pytest.mark.slow
@@ -20,7 +20,7 @@ def test_two_ranks_train_what_one_process_trains(tiny_model_path, tmp_path, extr
     # AdamW's first step moves a weight by lr * g / (|g| + eps): near g = 0 that amplifies the gradient's rounding
     # by lr / eps (1e5 at eps 1e-8), and one process and two ranks sum a gradient in different orders. At eps 1e-6
     # rounding of 1e-10 moves a weight by 1e-7, well inside the 1e-5 compared, on any CPU's kernels.
-    common = [a for a in COMMON if not a.startswith("algo=")] + extra + ["optim.eps=1e-6"]
+    common = [a for a in MULTI_RANK if not a.startswith("algo=")] + extra + ["optim.eps=1e-6"]
     base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "tracker=none", *common]
     one = start([*base, "run_name=one"], tmp_path / "one.jsonl")
     two = start([*base, "run_name=two", "engine=ddp", "engine.num_processes=2"], tmp_path / "two.jsonl")

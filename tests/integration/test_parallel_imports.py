@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from kit import REPO
+from kit import HANG_S, REPO
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="DeepSpeed is not installed: nothing could import it")
@@ -46,7 +46,7 @@ model = accelerator.unwrap_model(prepared)
 def _run(code: str) -> tuple[bool, str]:
     """Whether `code` imported DeepSpeed, and what it printed to stderr."""
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     return {"True": True, "False": False}[out.stdout.strip().splitlines()[-1]], out.stderr
 
@@ -99,6 +99,6 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterward
     """
     for first, seen in (("", "False False mlflow True"), ("import mlflow", "True True mlflow True")):
         out = subprocess.run([sys.executable, "-c", textwrap.dedent(check.format(first=first))], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=HANG_S)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1] == seen, (first, out.stdout)

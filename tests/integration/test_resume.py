@@ -3,40 +3,22 @@ MLflow holds what the engine logged; Ctrl-C leaves a checkpoint behind."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-PLUGINS = Path(__file__).parents[1] / "plugins"
+from kit import ended, final_params, finish, kill_run, start, until
+
+# gpo_faults does nothing unless GPO_FAULT_KILL is set, but every run loads it: their configs are the same.
 COMMON = [
-    "task=toy", "plugins=[gpo_toy]", "algo=grpo", "pruner=topk", "pruner.rate=0.5", "allocator=dynamic",
+    "task=toy", "plugins=[gpo_toy,gpo_faults]", "algo=grpo", "pruner=topk", "pruner.rate=0.5", "allocator=dynamic",
     "train.steps=4", "train.questions_per_step=2", "train.group_size=4", "train.max_completion_length=8",
     "train.micro_batch_size=4", "optim.lr=1e-2", "optim.warmup_ratio=0", "eval.before_and_after=false",
     "checkpoint.every=1", "checkpoint.keep_last=2",
 ]
-
-
-def gpo(args: list[str], **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": f"{PLUGINS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.Popen([sys.executable, "-m", "gpo", "run", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kwargs)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
-    return out
-
-
-def params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
 def step_metrics(run_dir: Path) -> dict[int, float]:
@@ -52,46 +34,42 @@ class Straight:
     """The uninterrupted 4-step MLflow run: started once, in the background, read by two tests."""
 
     def __init__(self, proc: subprocess.Popen, run_dir: Path) -> None:
-        self.proc, self.run_dir, self.out = proc, run_dir, None
+        self.proc, self.run_dir, self.ended = proc, run_dir, None
 
     def finished(self) -> Path:
-        if self.out is None:
-            self.out, _ = self.proc.communicate(timeout=300)
-        assert self.proc.returncode == 0, self.out
+        if self.ended is None:
+            self.ended = ended(self.proc)
+        status, out = self.ended
+        assert status == 0, out[-6000:]
         return self.run_dir
 
 
 @pytest.fixture(scope="module")
 def straight(tiny_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    run = Straight(gpo([f"model={tiny_model_path}", f"output_dir={out}", *COMMON, "run_name=straight",
-                        "tracker=mlflow"]), out / "straight")
+    run = Straight(start([f"model={tiny_model_path}", f"output_dir={out}", *COMMON, "run_name=straight",
+                          "tracker=mlflow"]), out / "straight")
     yield run
     if run.proc.poll() is None:  # a test failed before waiting for it
-        run.proc.kill()
-        run.proc.wait()
+        kill_run(run.proc)
 
 
 @pytest.mark.slow
 def test_sigkill_and_resume_reproduces_the_uninterrupted_run(straight, tiny_model_path, tmp_path):
     base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON]
-    # The victim starts beside the uninterrupted run (one core each) rather than after it.
-    victim = gpo([*base, "run_name=killed", "tracker=mlflow"], start_new_session=True)
-    marker = tmp_path / "killed" / "checkpoints" / "step-0000002" / "trainer_state.json"
-    deadline = time.time() + 240
-    while not marker.exists():
-        assert victim.poll() is None, victim.communicate()[0]
-        assert time.time() < deadline, "no checkpoint after step 2"
-        time.sleep(0.2)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    # The victim starts beside the uninterrupted run (one core each) rather than after it. It SIGKILLs itself in
+    # step 3 (gpo_faults), after the checkpoint of step 2, however fast or slow the machine is.
+    victim = start([*base, "run_name=killed", "tracker=mlflow"], env={"GPO_FAULT_KILL": "0:3"})
+    status, out = ended(victim)
+    assert status == -signal.SIGKILL and "gpo_faults: rank 0 kills itself in step 3" in out, out[-4000:]
+    assert (tmp_path / "killed" / "checkpoints" / "step-0000002" / "trainer_state.json").is_file()
     assert not (tmp_path / "killed" / "final").exists(), "the run must really have been killed before the end"
 
-    out = finish(gpo([*base, "run_name=killed", "tracker=mlflow", "resume=auto"]))
+    out = finish(start([*base, "run_name=killed", "tracker=mlflow", "resume=auto"]))
     assert "resumed from" in out
 
     straight_dir = straight.finished()
-    uninterrupted, resumed = params(straight_dir), params(tmp_path / "killed")
+    uninterrupted, resumed = final_params(straight_dir), final_params(tmp_path / "killed")
     assert uninterrupted.keys() == resumed.keys()
     for name in uninterrupted:
         torch.testing.assert_close(resumed[name], uninterrupted[name], atol=1e-6, rtol=0)
@@ -128,16 +106,15 @@ def test_mlflow_run_holds_params_metrics_config_and_final_model(straight):
 def test_interrupt_saves_a_checkpoint(tiny_model_path, tmp_path):
     # A job started in the background by a non-interactive shell (how CI scripts often run) inherits SIGINT as
     # ignored, and Python then installs no Ctrl-C handler: give the run the default disposition a terminal has.
-    proc = gpo([f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON, "run_name=stopped",
-                "tracker=none", "checkpoint.every=0", "train.steps=200"],
-               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 120
-    while not (tmp_path / "stopped" / "config.yaml").exists():
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.2)
-    time.sleep(3)  # inside the training loop
+    # gpo_probe records each finished step: the first record means the run is inside its training loop, which
+    # it cannot leave on its own before the SIGINT (far more steps than could run meanwhile).
+    probe = tmp_path / "probe.jsonl"
+    proc = start([f"model={tiny_model_path}", f"output_dir={tmp_path}", *COMMON, "plugins=[gpo_toy,gpo_probe]",
+                  "run_name=stopped", "tracker=none", "checkpoint.every=0", "train.steps=100000"], probe,
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    until(lambda: probe.exists() and '"kind": "step"' in probe.read_text(), "first step", proc)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out
+    status, out = ended(proc)
+    assert status == 130, out
     assert "interrupted: saved" in out
     assert list((tmp_path / "stopped" / "checkpoints").glob("step-*/trainer_state.json"))

@@ -5,18 +5,14 @@ selections and weights, because the per-question history travels in the checkpoi
 from __future__ import annotations
 
 import json
-import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_multiprocess import finish as finish_ranks
-from test_multiprocess import records, start
-from test_resume import finish, gpo, params
+from kit import ended, final_params, finish, records, start
 
 THIRDS = [
     "task=thirds", "task.size=6", "algo=grpo", "pruner=topk", "pruner.rate=0.5", "pruner.scope=group",
@@ -37,8 +33,8 @@ def test_two_ranks_select_and_train_exactly_what_one_process_does(tiny_model_pat
             "optim.lr=1e-3"]  # as in test_multiprocess: at 1e-2 Adam magnifies float noise in near-zero gradients
     one = start([*base, "run_name=one"], tmp_path / "one.jsonl")
     two = start([*base, "run_name=two", "engine=ddp", "engine.num_processes=2"], tmp_path / "two.jsonl")
-    finish_ranks(one)
-    finish_ranks(two)
+    finish(one)
+    finish(two)
     single = [r["metrics"] for r in records(tmp_path / "one.jsonl", "step")]
     ranks = {rank: [r["metrics"] for r in records(tmp_path / "two.jsonl", "step") if r["rank"] == rank]
              for rank in (0, 1)}
@@ -75,21 +71,17 @@ def selected(run_dir: Path) -> dict[int, dict[str, float]]:
 def test_sigkill_and_resume_repeats_the_selections_and_weights(tiny_model_path, tmp_path):
     # GRESO on a 6-question pool: every question is drawn again by step 2, so skips depend on the streaks and the
     # adapted p_easy/p_hard that the checkpoint carries.
-    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "plugins=[gpo_thirds]", *THIRDS,
+    base = [f"model={tiny_model_path}", f"output_dir={tmp_path}", "plugins=[gpo_thirds,gpo_faults]", *THIRDS,
             "selector=greso", "allocator=dynamic", "train.questions_per_step=2", "train.micro_batch_size=4",
             "train.steps=5", "checkpoint.every=1", "checkpoint.keep_last=5", "tracker=mlflow"]
-    straight = gpo([*base, "run_name=straight"])  # beside the victim (one core each), not before it
-    victim = gpo([*base, "run_name=killed"], start_new_session=True)
-    marker = tmp_path / "killed" / "checkpoints" / "step-0000002" / "trainer_state.json"
-    deadline = time.time() + 300
-    while not marker.exists():
-        assert victim.poll() is None, victim.communicate()[0]
-        assert time.time() < deadline, "no checkpoint after step 2"
-        time.sleep(0.2)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    straight = start([*base, "run_name=straight"])  # beside the victim (one core each), not before it
+    # The victim SIGKILLs itself in step 3 (gpo_faults), after the checkpoint of step 2, on any machine.
+    victim = start([*base, "run_name=killed"], env={"GPO_FAULT_KILL": "0:3"})
+    status, out = ended(victim)
+    assert status == -signal.SIGKILL and "gpo_faults: rank 0 kills itself in step 3" in out, out[-4000:]
+    assert (tmp_path / "killed" / "checkpoints" / "step-0000002" / "trainer_state.json").is_file()
     assert not (tmp_path / "killed" / "final").exists(), "the run must really have been killed before the end"
-    out = finish(gpo([*base, "run_name=killed", "resume=auto"]))
+    out = finish(start([*base, "run_name=killed", "resume=auto"]))
     assert "resumed from" in out
     finish(straight)
 
@@ -101,5 +93,5 @@ def test_sigkill_and_resume_repeats_the_selections_and_weights(tiny_model_path, 
     for step in got:
         assert got[step] == pytest.approx(expected[step], abs=1e-6), step
     assert sum(expected[s]["select/skipped"] for s in expected) > 0, "nothing was skipped: history never mattered"
-    for name, value in params(straight).items():
-        torch.testing.assert_close(params(killed)[name], value, atol=1e-6, rtol=0)
+    for name, value in final_params(straight).items():
+        torch.testing.assert_close(final_params(killed)[name], value, atol=1e-6, rtol=0)

@@ -101,19 +101,24 @@ def test_a_multi_rank_run_gets_a_config_file_that_composes_back_to_itself(tmp_pa
 def test_runs_at_once_each_get_their_own_gpus(monkeypatch, tmp_path):
     """study.parallel=3 on a machine with 2 GPUs and 1 GPU per run: never more than 2 at once, never sharing one."""
     import threading
-    import time
     from types import SimpleNamespace
 
     from gpo.study import runner
+    from kit import HANG_S
 
     active, seen, lock = set(), [], threading.Lock()
+    # The first two runs hold their GPU until both run at once (a pool that ran one at a time would break the
+    # barrier after HANG_S); the third can only start once one of them has given its GPU back.
+    both = threading.Barrier(2, timeout=HANG_S)
 
     def fake_run_child(cfg, run_dir, devices=None, sys_path=None):
         with lock:
             assert devices is not None and len(devices) == 1 and not active & set(devices)
             active.update(devices)
             seen.append((cfg.run_name, tuple(devices), len(active)))
-        time.sleep(0.2)
+            first_two = len(seen) <= 2
+        if first_two:
+            both.wait()
         with lock:
             active.difference_update(devices)
         return runner.Outcome("FINISHED", "", None, None), run_dir / "study.log"

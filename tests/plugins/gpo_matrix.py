@@ -86,7 +86,7 @@ class ScriptedBackend:
                 out.append(ids)
         return out
 
-    def sampled_logprobs(self) -> None:
+    def generator_logprobs(self) -> None:
         return None
 
     def sync_weights(self, model: Any) -> None:

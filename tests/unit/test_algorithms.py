@@ -7,23 +7,15 @@ import math
 
 import pytest
 import torch
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from gpo import ops, registry
 from gpo.algorithms.base import BaseObjective, ObjectiveConfig, PPOClip, StdScaledAdvantages
 from gpo.errors import UserError
 from gpo.types import StepTotals
-from test_ops import LN2, micro_batch
+from kit import LN2, REWARDS, assert_micro_batches_sum_to_the_step, build_objective, micro_batch
 
 ALGOS = ("grpo", "dapo", "dr_grpo")
-
-
-def build(name: str, max_completion_length: int | None = 8, **cfg):
-    """The objective as a run builds it: its settings validated against the config class's annotations (as the
-    composer validates them; a bad value raises pydantic's ValidationError here), then the constructor."""
-    registry.load_builtins()
-    entry = registry.get("algo", name)
-    return entry.build(TypeAdapter(entry.config).validate_python(cfg), max_completion_length=max_completion_length)
 
 
 # --- registration and paper defaults ------------------------------------------------------------------------------
@@ -33,7 +25,7 @@ def test_every_objective_is_registered_and_has_the_full_interface():
     registry.load_builtins()
     assert set(ALGOS) <= set(registry.names("algo"))
     for name in ALGOS:
-        objective = build(name)
+        objective = build_objective(name)
         for method in ("shape_rewards", "group_filter", "advantages", "loss_mask", "loss"):
             assert callable(getattr(objective, method)), (name, method)
         assert registry.get("algo", name).summary  # `gpo list` shows a line per objective
@@ -49,13 +41,13 @@ def test_paper_defaults():
 
 
 def test_reference_logprobs_are_requested_only_when_needed():
-    assert build("grpo").needs_ref_logprobs  # beta 0.04
-    assert not build("grpo", beta=0.0).needs_ref_logprobs  # no reference model at all
-    assert not build("dapo").needs_ref_logprobs and not build("dr_grpo").needs_ref_logprobs
-    assert build("dapo", beta=0.01).needs_ref_logprobs
+    assert build_objective("grpo").needs_ref_logprobs  # beta 0.04
+    assert not build_objective("grpo", beta=0.0).needs_ref_logprobs  # no reference model at all
+    assert not build_objective("dapo").needs_ref_logprobs and not build_objective("dr_grpo").needs_ref_logprobs
+    assert build_objective("dapo", beta=0.01).needs_ref_logprobs
     # Old log-probs are the engine's decision (train.mu > 1), not an objective's: no objective takes mu.
     for name in registry.names("algo"):
-        assert not hasattr(build(name), "needs_old_logprobs"), name
+        assert not hasattr(build_objective(name), "needs_old_logprobs"), name
         with pytest.raises(TypeError, match="mu"):
             registry.get("algo", name).build(None, mu=2, max_completion_length=8)
 
@@ -73,7 +65,7 @@ def test_reference_logprobs_are_requested_only_when_needed():
 )
 def test_bad_settings_are_refused_by_the_config_type(name, cfg, message):
     with pytest.raises(ValidationError, match=message):
-        build(name, **cfg)
+        build_objective(name, **cfg)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +78,7 @@ def test_bad_settings_are_refused_by_the_config_type(name, cfg, message):
 )
 def test_bad_settings_fail_in_the_constructor(name, cfg, context, message):
     with pytest.raises(UserError, match=message):
-        build(name, **context, **cfg)
+        build_objective(name, **context, **cfg)
 
 
 # --- what the objectives share (algorithms/base.py) ---------------------------------------------------------------
@@ -122,7 +114,7 @@ def test_every_objective_derives_from_the_base_and_keeps_the_shared_parts():
             assert (part in vars(entry.cls)) == (part in replaced), (name, part)
             if part not in replaced:
                 assert getattr(entry.cls, part) is getattr(BaseObjective, part), (name, part)
-        objective = build(name)
+        objective = build_objective(name)
         aggregate = getattr(objective.aggregate, "func", objective.aggregate)  # dr_grpo's is a partial
         assert aggregate is AGGREGATE[name], name
         assert (objective.policy_loss.surrogate is None) == ("surrogate" not in replaced), name  # PPO's clip
@@ -144,7 +136,7 @@ def test_an_objective_that_replaces_no_part_trains_as_grpo():
     class Plain(BaseObjective):
         """GRPO's parts, nothing replaced."""
 
-    plain, grpo = Plain(PlainConfig(), max_completion_length=8), build("grpo")
+    plain, grpo = Plain(PlainConfig(), max_completion_length=8), build_objective("grpo")
     assert torch.equal(plain.advantages(REWARDS), grpo.advantages(REWARDS))
     gen = torch.Generator().manual_seed(11)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
@@ -170,43 +162,40 @@ def test_shared_settings_are_typed_alike_in_every_objective(name):
     for field, value in SHARED_BAD:
         if field in fields:
             with pytest.raises(ValidationError, match=field):
-                build(name, **{field: value})
-    good = build(name, beta=0.1, kl_estimator="k2", kl_clamp=10.0)
+                build_objective(name, **{field: value})
+    good = build_objective(name, beta=0.1, kl_estimator="k2", kl_clamp=10.0)
     assert (good.cfg.beta, good.policy_loss.kl_estimator, good.policy_loss.kl_clamp) == (0.1, "k2", 10.0)
     assert good.needs_ref_logprobs
     if name not in ("gmpo", "sapo"):  # gmpo's bounds are in log space; sapo has no clip range
         with pytest.raises(ValidationError, match="epsilon_low"):
-            build(name, epsilon_low=1.0)  # a lower bound of 0 on the ratio
+            build_objective(name, epsilon_low=1.0)  # a lower bound of 0 on the ratio
     assert "mu" not in fields  # the engine's loop count, not an objective's setting
 
 
 # --- advantages, shaping, filtering -------------------------------------------------------------------------------
 
-REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [3.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
-
-
 def test_advantages_by_hand():
     # group 0: mean .5, Bessel std sqrt(1/3) = .5773503; group 2: mean 1.5, deviations (1.5, -.5, -.5, -.5),
     # var (2.25 + 3 * .25) / 3 = 1, std 1
-    grpo = build("grpo").advantages(REWARDS)
+    grpo = build_objective("grpo").advantages(REWARDS)
     assert grpo[0, 0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 1e-4))
     assert torch.equal(grpo[1], torch.zeros(4, dtype=torch.float64))
     assert grpo[2].tolist() == pytest.approx([1.5 / 1.0001, -0.5 / 1.0001, -0.5 / 1.0001, -0.5 / 1.0001])
-    dapo = build("dapo").advantages(REWARDS)  # eps 1e-6 (verl)
+    dapo = build_objective("dapo").advantages(REWARDS)  # eps 1e-6 (verl)
     assert dapo[2, 0].item() == pytest.approx(1.5 / (1 + 1e-6), abs=1e-12)
-    dr = build("dr_grpo").advantages(REWARDS)  # r - mean, no std
+    dr = build_objective("dr_grpo").advantages(REWARDS)  # r - mean, no std
     assert dr.tolist() == [[0.5, -0.5, -0.5, 0.5], [0.0] * 4, [1.5, -0.5, -0.5, -0.5]]
     for name in ALGOS:
         with pytest.raises(UserError, match="G >= 2"):
-            build(name).advantages(torch.ones(3, 1))
+            build_objective(name).advantages(torch.ones(3, 1))
 
 
 def test_dynamic_sampling_drops_zero_variance_groups_in_dapo_only():
     acc = {"accuracy": REWARDS}
-    assert build("dapo").group_filter(REWARDS, acc).tolist() == [True, False, True]
-    assert build("dapo", dynamic_sampling=False).group_filter(REWARDS, acc).tolist() == [True, True, True]
-    assert build("grpo").group_filter(REWARDS, acc).tolist() == [True, True, True]
-    assert build("dr_grpo").group_filter(REWARDS, acc).tolist() == [True, True, True]
+    assert build_objective("dapo").group_filter(REWARDS, acc).tolist() == [True, False, True]
+    assert build_objective("dapo", dynamic_sampling=False).group_filter(REWARDS, acc).tolist() == [True, True, True]
+    assert build_objective("grpo").group_filter(REWARDS, acc).tolist() == [True, True, True]
+    assert build_objective("dr_grpo").group_filter(REWARDS, acc).tolist() == [True, True, True]
 
 
 def test_dapo_filters_on_accuracy_not_on_the_shaped_total():
@@ -215,12 +204,12 @@ def test_dapo_filters_on_accuracy_not_on_the_shaped_total():
     accuracy = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 1.0]])
     total = torch.tensor([[1.0, 1.0, 0.7, 1.0], [0.1, 0.1, 0.1, 0.1], [1.1, 0.1, 0.1, 1.1]])
     components = {"accuracy": accuracy, "format": total - accuracy}
-    assert build("dapo").group_filter(total, components).tolist() == [False, False, True]
-    assert build("dapo", filter_on="total").group_filter(total, components).tolist() == [True, False, True]
+    assert build_objective("dapo").group_filter(total, components).tolist() == [False, False, True]
+    assert build_objective("dapo", filter_on="total").group_filter(total, components).tolist() == [True, False, True]
     with pytest.raises(UserError, match="filter_on=total"):
-        build("dapo").group_filter(total, {"format": total})
+        build_objective("dapo").group_filter(total, {"format": total})
     with pytest.raises(ValidationError, match="filter_on"):
-        build("dapo", filter_on="reward")
+        build_objective("dapo", filter_on="reward")
 
 
 def test_dapo_soft_overlong_penalty():
@@ -228,22 +217,23 @@ def test_dapo_soft_overlong_penalty():
     lengths = torch.tensor([[7, 8, 9, 10]])
     truncated = torch.tensor([[False, False, False, True]])
     # Lmax 10, default buffer round(0.2 * 10) = 2: free up to 8, then -(len - 8) / 2: (0, 0, -0.5, -1)
-    assert build("dapo", max_completion_length=10).shape_rewards(rewards, lengths, truncated).tolist() == [
+    assert build_objective("dapo", max_completion_length=10).shape_rewards(rewards, lengths, truncated).tolist() == [
         [1.0, 1.0, 0.5, 0.0]
     ]
     # buffer 4, factor 0.5: free up to 6, then -(len - 6) / 4 * 0.5: (-0.125, -0.25, -0.375, -0.5)
-    dapo = build("dapo", max_completion_length=10, overlong_buffer=4, overlong_factor=0.5)
+    dapo = build_objective("dapo", max_completion_length=10, overlong_buffer=4, overlong_factor=0.5)
     assert dapo.shape_rewards(rewards, lengths, truncated).tolist() == [[0.875, 0.75, 0.625, 0.5]]
-    assert build("dapo", max_completion_length=48).buffer == 10  # round(9.6)
-    assert torch.equal(build("dapo", overlong_penalty=False).shape_rewards(rewards, lengths, truncated), rewards)
-    assert torch.equal(build("grpo").shape_rewards(rewards, lengths, truncated), rewards)
+    assert build_objective("dapo", max_completion_length=48).buffer == 10  # round(9.6)
+    no_penalty = build_objective("dapo", overlong_penalty=False)
+    assert torch.equal(no_penalty.shape_rewards(rewards, lengths, truncated), rewards)
+    assert torch.equal(build_objective("grpo").shape_rewards(rewards, lengths, truncated), rewards)
 
 
 def test_dapo_can_mask_truncated_completions():
     batch = micro_batch([1.0, 1.0], [[1, 1], [1, 1]], truncated=[False, True])
-    assert build("dapo").loss_mask(batch).tolist() == [[1, 1], [1, 1]]  # paper default: keep them
-    assert build("dapo", mask_truncated=True).loss_mask(batch).tolist() == [[1, 1], [0, 0]]
-    assert build("grpo").loss_mask(batch).tolist() == [[1, 1], [1, 1]]
+    assert build_objective("dapo").loss_mask(batch).tolist() == [[1, 1], [1, 1]]  # paper default: keep them
+    assert build_objective("dapo", mask_truncated=True).loss_mask(batch).tolist() == [[1, 1], [0, 0]]
+    assert build_objective("grpo").loss_mask(batch).tolist() == [[1, 1], [1, 1]]
 
 
 # --- losses by hand -----------------------------------------------------------------------------------------------
@@ -259,26 +249,26 @@ def test_grpo_loss_by_hand():
     ref = torch.tensor([[LN2, 0.0], [0.0, 0.0]], dtype=torch.float64)  # k3 = 2 - ln2 - 1 = .3068528 at one token
     batch = micro_batch(ADV, MASK, ref_logprobs=ref)
     k3 = 2 - LN2 - 1
-    loss, m = build("grpo").loss(logp, batch, TOTALS)
+    loss, m = build_objective("grpo").loss(logp, batch, TOTALS)
     # seq-mean: row means -1 and -0.5 -> -1.5 / 2 = -0.75; KL: .04 * (k3 / 2 + 0) / 2
     assert m["loss/policy"].item() == pytest.approx(-0.75)
     assert m["loss/kl"].item() == pytest.approx(0.04 * k3 / 4)
     assert loss.item() == pytest.approx(-0.75 + 0.04 * k3 / 4)
     assert m["kl/mean"].item() == pytest.approx(k3 / 3)
     # token-mean (CPPO code): (-1 - 1 - 0.5) / 3; KL .04 * k3 / 3
-    loss, _ = build("grpo", loss_agg="token_mean").loss(logp, batch, TOTALS)
+    loss, _ = build_objective("grpo", loss_agg="token_mean").loss(logp, batch, TOTALS)
     assert loss.item() == pytest.approx(-2.5 / 3 + 0.04 * k3 / 3)
 
 
 def test_dapo_and_dr_grpo_losses_by_hand():
     logp = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
     batch = micro_batch(ADV, MASK)
-    loss, m = build("dapo").loss(logp, batch, TOTALS)
+    loss, m = build_objective("dapo").loss(logp, batch, TOTALS)
     assert loss.item() == pytest.approx(-2.5 / 3)  # token mean
     assert "kl/mean" not in m and m["loss/kl"].item() == 0.0
-    loss, _ = build("dr_grpo", max_completion_length=4).loss(logp, batch, TOTALS)
+    loss, _ = build_objective("dr_grpo", max_completion_length=4).loss(logp, batch, TOTALS)
     assert loss.item() == pytest.approx(-2.5 / (2 * 4))  # token sum / (sequences * Lmax) = -0.3125
-    loss, _ = build("dr_grpo", max_completion_length=4, loss_normalizer=10).loss(logp, batch, TOTALS)
+    loss, _ = build_objective("dr_grpo", max_completion_length=4, loss_normalizer=10).loss(logp, batch, TOTALS)
     assert loss.item() == pytest.approx(-2.5 / (2 * 10))
 
 
@@ -287,10 +277,10 @@ def test_old_logprobs_are_used_when_given():
     old = torch.tensor([[-math.log(1.5), 0.0], [0.0, 0.0]], dtype=torch.float64)
     batch = micro_batch(ADV, MASK, old_logprobs=old)
     logp = torch.zeros(2, 2, dtype=torch.float64)
-    loss, m = build("dapo").loss(logp, batch, TOTALS)
+    loss, m = build_objective("dapo").loss(logp, batch, TOTALS)
     assert loss.item() == pytest.approx((-1.28 - 1 - 0.5) / 3)
     assert m["clip/high_frac"].item() == pytest.approx(1 / 3) and m["ratio/token_max"].item() == pytest.approx(1.5)
-    loss, _ = build("grpo", beta=0.0).loss(logp, batch, TOTALS)
+    loss, _ = build_objective("grpo", beta=0.0).loss(logp, batch, TOTALS)
     assert loss.item() == pytest.approx((-(1.2 + 1) / 2 - 0.5) / 2)
 
 
@@ -342,7 +332,7 @@ def test_gradient_matches_naive_loop(name, cfg, agg):
     start = old + 0.8 * torch.randn(n, length, generator=gen, dtype=torch.float64)  # ratios on both sides of clips
     adv = torch.randn(n, generator=gen, dtype=torch.float64)  # [n]
     totals = StepTotals(sequences=7, tokens=int(mask.sum()) + 5)  # this micro-batch is part of a bigger step
-    objective = build(name, max_completion_length=6, **cfg)
+    objective = build_objective(name, max_completion_length=6, **cfg)
     spec = objective.policy_loss
 
     logp = start.clone().requires_grad_()
@@ -359,37 +349,9 @@ def test_gradient_matches_naive_loop(name, cfg, agg):
     assert logp.grad.abs().sum() > 0  # the check is not vacuous
 
 
-def assert_micro_batches_sum_to_the_step(objective, seed: int) -> dict:
-    """Three uneven micro-batches (each re-trimmed, as the engine does) give the whole batch's loss and metrics:
-    shares summed, `_min`/`_max` metrics reduced by their name. Returns the whole batch's metrics."""
-    gen = torch.Generator().manual_seed(seed)
-    n, length = 6, 5
-    mask = (torch.arange(length) < torch.tensor([5, 1, 2, 5, 3, 4]).unsqueeze(1)).long()  # [N, L]
-    old = -torch.rand(n, length, generator=gen, dtype=torch.float64)
-    logp = old + 0.3 * torch.randn(n, length, generator=gen, dtype=torch.float64)
-    batch = micro_batch(torch.randn(n, generator=gen, dtype=torch.float64), mask, old_logprobs=old,
-                        ref_logprobs=old.flip(1))
-    totals = StepTotals(sequences=n, tokens=int(objective.loss_mask(batch).sum()))
-    whole, whole_m = objective.loss(logp, batch, totals)
-    parts = []
-    for rows in (torch.arange(0, 2), torch.arange(2, 3), torch.arange(3, 6)):
-        mb = batch.select(rows)  # re-trims padding to the micro-batch's longest row, as the engine does
-        parts.append(objective.loss(logp[rows, : mb.completion_mask.shape[1]], mb, totals))
-    assert sum(p[0] for p in parts).item() == pytest.approx(whole.item(), abs=1e-12)
-    for key, value in whole_m.items():
-        if key.endswith("_min"):
-            reduced = min(p[1][key] for p in parts)
-        elif key.endswith("_max"):
-            reduced = max(p[1][key] for p in parts)
-        else:
-            reduced = sum(p[1][key] for p in parts)
-        assert reduced.item() == pytest.approx(value.item(), abs=1e-12), key
-    return whole_m
-
-
 @pytest.mark.parametrize("name", ALGOS)
 def test_micro_batches_sum_to_the_step_loss_and_metrics(name):
-    whole_m = assert_micro_batches_sum_to_the_step(build(name, max_completion_length=5), seed=3)
+    whole_m = assert_micro_batches_sum_to_the_step(build_objective(name, max_completion_length=5), seed=3)
     assert {k for k in whole_m if k.endswith(("_min", "_max"))} == {"ratio/token_min", "ratio/token_max"}
 
 
@@ -397,7 +359,7 @@ def test_micro_batches_sum_to_the_step_loss_and_metrics(name):
 def test_single_token_and_fully_masked_rows(name):
     logp = torch.tensor([[-0.7], [-0.2]], dtype=torch.float64, requires_grad=True)  # L = 1
     batch = micro_batch([1.0, -1.0], [[1], [0]], ref_logprobs=torch.zeros(2, 1))
-    loss, m = build(name, beta=0.1).loss(logp, batch, StepTotals(2, 1))
+    loss, m = build_objective(name, beta=0.1).loss(logp, batch, StepTotals(2, 1))
     loss.backward()
     assert loss.isfinite() and all(v.isfinite() for v in m.values())
     assert logp.grad[1, 0].item() == 0.0 and logp.grad[0, 0].item() != 0.0

@@ -106,7 +106,7 @@ def test_selector_pass_rate_scales_the_draw_with_or_without_a_rate():
     alloc.first_round(16, 8, None, 1, pass_rate=0.5)
     assert alloc.next_round(6, 1, 8, None, 1, pass_rate=0.5) == 6  # ceil(6 / (2 * 0.5))
     assert allocator("static").first_round(16, 8, 2.0, 1, pass_rate=0.25) == 2  # static draws B regardless
-    with pytest.raises(UserError, match=r"pass rate of 0.0"):
+    with pytest.raises(UserError, match=r"the selector expects a pass rate of 0.0"):
         allocator("dynamic").first_round(16, 8, 2.0, 1, pass_rate=0.0)
 
 
@@ -240,6 +240,6 @@ def _distinct(n):
 
 
 def _batch(advantages, group_size):
-    from test_pruners import make_batch
+    from kit import make_batch
 
     return make_batch(advantages.tolist(), group_size)

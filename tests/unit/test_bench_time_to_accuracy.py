@@ -242,9 +242,9 @@ def test_the_area_under_the_curve_is_cut_at_the_budget_or_held_to_it(tta):
 
 
 def test_passes_are_questions_drawn_over_the_pool(tta):
-    assert tta.passes({"considered": 96.0, "pool": 64}) == 1.5
-    assert tta.passes({"considered": 96.0}, pool=32) == 3.0  # saved before arms recorded their pool
-    assert tta.passes({"steps": 3}, pool=64) != tta.passes({"steps": 3}, pool=64)  # nan: no count saved
+    assert tta.pool_passes({"considered": 96.0, "pool": 64}) == 1.5
+    assert tta.pool_passes({"considered": 96.0}, pool=32) == 3.0  # saved before arms recorded their pool
+    assert tta.pool_passes({"steps": 3}, pool=64) != tta.pool_passes({"steps": 3}, pool=64)  # nan: no count saved
     old = {k: v for k, v in arm(PLATEAU, considered=64.0).items() if k != "pool"}
     assert tta.summarise({1: {"grpo": old}}, ["grpo"], 250, pool=32)[1]["grpo"]["passes"] == [2.0]
 

@@ -63,6 +63,15 @@ def test_config_prints_the_same_yaml_as_a_dry_run(capsys):
     assert yaml.safe_load(printed)["algo"]["name"] == "dapo"
 
 
+def test_overrides_after_a_flag_count_in_the_order_typed(capsys):
+    assert cli.main(["run", "train.steps=4", "--dry-run", "algo=dapo", "train.steps=5"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["algo"]["name"] == "dapo" and printed["train"]["steps"] == 5
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--dry-run", "train.steps=4", "--no-such-flag"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
 def test_a_missing_config_file_exits_2(tmp_path, capsys):
     missing = tmp_path / "absent.yaml"
     assert cli.main(["run", "--dry-run", "--config", str(missing)]) == 2

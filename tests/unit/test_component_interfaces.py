@@ -26,7 +26,7 @@ def test_the_protocols_declare_close():
     # (the methods the engine calls, listed here by hand; later additions to a Protocol only add to the set).
     assert {"`load()`", "`prompt()`", "`reward()`", "`grade()`", "`close()`"} <= set(
         registry.missing_members("task", Empty))
-    assert {"`generate()`", "`sampled_logprobs()`", "`sync_weights()`", "`close()`", "`generates_with_policy`",
+    assert {"`generate()`", "`generator_logprobs()`", "`sync_weights()`", "`close()`", "`generates_with_policy`",
             "`per_prompt_counts`"} <= set(registry.missing_members("backend", Empty))
     assert registry.missing_members("task", registry.get("task", "arith").cls) == []
 

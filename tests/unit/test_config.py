@@ -20,7 +20,7 @@ from gpo.config import compose
 from gpo.errors import UserError
 from gpo.registry import register
 from gpo.run_config import as_dict
-from kit import REPO, fresh_registry, make_plugin  # noqa: F401  (fresh_registry is a fixture)
+from kit import HANG_S, REPO, fresh_registry, make_plugin  # noqa: F401  (fresh_registry is a fixture)
 
 # --- a config tree of our own ----------------------------------------------------------------------------------
 
@@ -260,6 +260,7 @@ def test_composing_imports_nothing_heavy():
         "compose(['experiment=cppo_gsm8k'])\n"
         f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"heavy modules imported while composing a config: {out.stdout.strip()}"

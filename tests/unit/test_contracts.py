@@ -138,8 +138,8 @@ def test_algo_advantages_keep_shape_and_stay_finite(entry, tmp_path):
     assert torch.allclose(advantages[1], torch.zeros(G))  # no signal in an all-correct group
     # Within a group a higher reward never gets a lower advantage.
     assert advantages[0, 0] > advantages[0, 1] and advantages[2, 3] > advantages[2, 0]
-    keep = objective.group_filter(rewards, {"accuracy": rewards})
-    assert keep.dtype == torch.bool and keep.shape == (B,)
+    group_mask = objective.group_filter(rewards, {"accuracy": rewards})
+    assert group_mask.dtype == torch.bool and group_mask.shape == (B,)
     lengths = torch.tensor([[5, 3, 6, 2], [4, 4, 1, 6], [2, 5, 3, 6]])  # [B, G]
     shaped = objective.shape_rewards(rewards, lengths, lengths == 6)
     assert shaped.shape == (B, G) and torch.isfinite(shaped).all()

@@ -20,7 +20,7 @@ from gpo.types import RolloutBatch
 registry.load_builtins()
 LN = math.log
 
-# Two rows, the first one token shorter (its last column is padding). Token ratios rho = pi_old / pi_gen:
+# Two rows, the first one token shorter (its last column is padding). Token ratios rho = pi_old / pi_generator:
 #   row 0: 0.8/0.4 = 2,  0.3/0.5 = 0.6,  (padding)          product 1.2
 #   row 1: 0.9/0.3 = 3,  0.6/0.4 = 1.5,  0.1/0.4 = 0.25     product 3 * 1.5 * 0.25 = 1.125
 TRAINER = torch.tensor([[LN(0.8), LN(0.3), 0.0], [LN(0.9), LN(0.6), LN(0.1)]], dtype=torch.float64)
@@ -42,30 +42,30 @@ def _correct(name, **settings):
 
 def test_none_weighs_every_token_one_and_keeps_all():
     out = _correct("none")
-    assert _close(out.weights, [[1, 1, 1], [1, 1, 1]]) and bool(out.keep.all()) and not out.truncated.any()
+    assert _close(out.weights, [[1, 1, 1], [1, 1, 1]]) and bool(out.mask.all()) and not out.truncated.any()
 
 
 def test_tis_token_truncates_each_ratio_at_the_cap():
     out = _correct("tis", level="token", cap=2.5)
     # min(rho, 2.5): 2, 0.6 | 3 -> 2.5, 1.5, 0.25; padding weight 1
     assert _close(out.weights, [[2, 0.6, 1], [2.5, 1.5, 0.25]])
-    assert out.truncated.tolist() == [[F, F, F], [T, F, F]] and bool(out.keep.all())
+    assert out.truncated.tolist() == [[F, F, F], [T, F, F]] and bool(out.mask.all())
 
 
 def test_tis_sequence_truncates_the_rows_product():
     out = _correct("tis", level="sequence", cap=1.15)
     # row 0: 1.2 -> 1.15 (truncated, every token); row 1: 1.125 < 1.15 stays
     assert _close(out.weights, [[1.15, 1.15, 1], [1.125, 1.125, 1.125]])
-    assert out.truncated.tolist() == [[T, T, F], [F, F, F]] and bool(out.keep.all())
+    assert out.truncated.tolist() == [[T, T, F], [F, F, F]] and bool(out.mask.all())
 
 
 def test_mis_token_drops_ratios_outside_the_band_and_weighs_the_rest():
     out = _correct("mis", level="token", lower=0.4, upper=2.5)
     # in [0.4, 2.5]: 2, 0.6 | 1.5 kept with their ratio; 3 and 0.25 dropped (weight 0)
     assert _close(out.weights, [[2, 0.6, 1], [0, 1.5, 0]])
-    assert out.keep.tolist() == [[T, T, T], [F, T, F]]
+    assert out.mask.tolist() == [[T, T, T], [F, T, F]]
     unweighted = _correct("mis", level="token", lower=0.4, upper=2.5, weighted=False)  # verl's rollout_rs alone
-    assert _close(unweighted.weights, [[1, 1, 1], [0, 1, 0]]) and torch.equal(unweighted.keep, out.keep)
+    assert _close(unweighted.weights, [[1, 1, 1], [0, 1, 0]]) and torch.equal(unweighted.mask, out.mask)
 
 
 def test_mis_sequence_drops_whole_rows():
@@ -73,20 +73,20 @@ def test_mis_sequence_drops_whole_rows():
     # row 0's product 1.2 > 1.15: every token dropped (its padding stays "kept", outside the loss anyway);
     # row 1's 1.125 is inside: weight 1.125 on each token
     assert _close(out.weights, [[0, 0, 1], [1.125, 1.125, 1.125]])
-    assert out.keep.tolist() == [[F, F, T], [T, T, T]]
+    assert out.mask.tolist() == [[F, F, T], [T, T, T]]
 
 
 def test_icepop_masks_tokens_outside_half_to_five():
     out = _correct("icepop")  # [0.5, 5]: only 0.25 leaves it
     assert _close(out.weights, [[2, 0.6, 1], [3, 1.5, 0]])
-    assert out.keep.tolist() == [[T, T, T], [T, T, F]] and not out.truncated.any()
+    assert out.mask.tolist() == [[T, T, T], [T, T, F]] and not out.truncated.any()
 
 
 def test_long_rows_neither_overflow_nor_underflow():
     trainer, generator = torch.zeros(2, 4000), torch.full((2, 4000), -0.5)  # product e^2000
     generator[1] = 0.5  # product e^-2000
     out = masked_weights(trainer, generator, torch.ones(2, 4000), 0.1, 10.0, level="sequence")
-    assert not out.keep.any() and bool(torch.isfinite(out.weights).all())
+    assert not out.mask.any() and bool(torch.isfinite(out.weights).all())
     assert bool((truncated_weights(trainer, generator, torch.ones(2, 4000), 3.0, "sequence").weights[0] == 3).all())
 
 
@@ -126,22 +126,22 @@ def test_weights_equal_trls_ratio_on_loss_tokens(mode, name, settings):
     m = mask.bool()
     assert torch.allclose(ours.weights.double()[m], trl.expand_as(old)[m], rtol=1e-6)
     if name == "mis":  # TRL keeps zero-weight tokens in its denominators; gpo drops them: the same tokens
-        assert torch.equal(~ours.keep & m, (trl.expand_as(old) == 0) & m)
+        assert torch.equal(~ours.mask & m, (trl.expand_as(old) == 0) & m)
         if settings["lower"] > 0:  # the narrow band bites, but not everywhere
-            assert bool((~ours.keep & m).any()) and bool((ours.keep & m).any())
+            assert bool((~ours.mask & m).any()) and bool((ours.mask & m).any())
 
 
 # --- dropped tokens and rows leave the denominators -------------------------------------------------------------
 
 
-def _batch(mask, generator_logp, trainer_logp) -> RolloutBatch:
+def _batch(mask, generator_logprobs, old_logprobs) -> RolloutBatch:
     n, width = mask.shape
     return RolloutBatch(
         prompt_ids=torch.ones(n, 2, dtype=torch.long), prompt_mask=torch.ones(n, 2, dtype=torch.long),
         completion_ids=torch.ones(n, width, dtype=torch.long), completion_mask=mask,
         group_ids=torch.zeros(n, dtype=torch.long), rewards=torch.zeros(n),
         advantages=torch.tensor([1.0, -0.5, 2.0][:n]), truncated=torch.zeros(n, dtype=torch.bool),
-        owner_rank=torch.zeros(n, dtype=torch.long), old_logprobs=trainer_logp, sampler_logprobs=generator_logp,
+        owner_rank=torch.zeros(n, dtype=torch.long), old_logprobs=old_logprobs, generator_logprobs=generator_logprobs,
     )
 
 
@@ -215,7 +215,7 @@ def test_mismatch_metrics_by_hand():
     batch = _batch(MASK, GENERATOR, TRAINER)
     _, counts = corrected(registry.get("correction", "icepop").build(None), objective, batch, TRAINER)
     m = mismatch_metrics(counts)
-    ratios = [2, 0.6, 3, 1.5, 0.25]  # the 5 loss tokens' pi_old / pi_gen
+    ratios = [2, 0.6, 3, 1.5, 0.25]  # the 5 loss tokens' pi_old / pi_generator
     assert m["mismatch/logp_abs_mean"] == pytest.approx(sum(abs(LN(r)) for r in ratios) / 5)
     assert m["mismatch/logp_abs_max"] == pytest.approx(LN(4))  # |log 0.25|
     # k3 of KL(gen || train) per token: r - 1 - log r, each >= 0

@@ -15,8 +15,7 @@ import torch
 
 from gpo.logprobs import TokenLogprobs, computing_in
 from gpo.types import StepTotals
-from test_algorithms import build
-from test_ops import micro_batch
+from kit import build_objective, micro_batch
 
 SIZES = dict(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, pad_token_id=0)
@@ -65,7 +64,7 @@ def loss_and_grad(model, objective, precision: str, old: torch.Tensor, ref: torc
     ("gspo", {"epsilon_low": 0.2, "epsilon_high": 0.2}),
 ])
 def test_bf16_loss_and_gradient_agree_with_float32(name, cfg):
-    model, objective = tiny(), build(name, **cfg)
+    model, objective = tiny(), build_objective(name, **cfg)
     with torch.no_grad():
         fp32_logp = TokenLogprobs(model)(*rows()) * rows()[3]
     # Old and reference log-probs 0.05 nats off the float32 ones, alternating in sign: ratios exp(+-0.05), well

@@ -19,8 +19,7 @@ from pydantic import ValidationError
 from gpo import registry
 from gpo.errors import UserError
 from gpo.types import StepTotals
-from test_algorithms import REWARDS, assert_micro_batches_sum_to_the_step, build
-from test_ops import LN2, micro_batch
+from kit import LN2, REWARDS, assert_micro_batches_sum_to_the_step, build_objective, micro_batch
 
 NEW = ("gspo", "cispo", "sapo", "gmpo", "rloo", "reinforce_pp")
 TOL = 1e-6
@@ -41,10 +40,10 @@ def test_registered_with_a_paper_in_the_summary_and_the_full_interface():
     for name in NEW:
         entry = registry.get("algo", name)
         assert "arXiv" in entry.summary, name  # `gpo list algo` names the paper
-        objective = build(name)
+        objective = build_objective(name)
         for method in ("shape_rewards", "group_filter", "advantages", "loss_mask", "loss"):
             assert callable(getattr(objective, method)), (name, method)
-        assert not objective.needs_ref_logprobs and build(name, beta=0.01).needs_ref_logprobs
+        assert not objective.needs_ref_logprobs and build_objective(name, beta=0.01).needs_ref_logprobs
 
 
 def test_gpo_list_algo_shows_each_ones_paper_and_defaults(capsys):
@@ -66,7 +65,7 @@ def test_paper_defaults():
     d = {name: registry.get("algo", name).defaults() for name in NEW}
     assert (d["gspo"]["epsilon_low"], d["gspo"]["epsilon_high"]) == (3e-4, 4e-4)
     assert (d["cispo"]["epsilon_low"], d["cispo"]["epsilon_high"]) == (None, 4.0)  # cap 5, no lower bound
-    assert build("cispo").weight_max == 5.0 and build("cispo").weight_min is None
+    assert build_objective("cispo").weight_max == 5.0 and build_objective("cispo").weight_min is None
     assert (d["sapo"]["tau_pos"], d["sapo"]["tau_neg"]) == (1.0, 1.05)
     assert (d["gmpo"]["epsilon_low"], d["gmpo"]["epsilon_high"]) == (0.4, 0.4)
     assert (d["rloo"]["epsilon_low"], d["rloo"]["epsilon_high"]) == (0.2, 0.2)
@@ -87,7 +86,7 @@ def test_paper_defaults():
 ])
 def test_bad_settings_are_refused_by_the_config_type(name, cfg, message):
     with pytest.raises(ValidationError, match=message):
-        build(name, **cfg)
+        build_objective(name, **cfg)
 
 
 # --- advantages ---------------------------------------------------------------------------------------------------
@@ -96,27 +95,27 @@ def test_bad_settings_are_refused_by_the_config_type(name, cfg, message):
 def test_leave_one_out_advantages_by_hand():
     # group 0 (1, 0, 0, 1): a 1 is compared with the others' mean 1/3, a 0 with 2/3; group 2 (3, 1, 1, 1): the 3 with
     # 1, each 1 with (3 + 1 + 1) / 3 = 5/3
-    adv = build("rloo").advantages(REWARDS)
+    adv = build_objective("rloo").advantages(REWARDS)
     assert adv[0].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3], abs=1e-12)
     assert torch.equal(adv[1], torch.zeros(4, dtype=torch.float64))
     assert adv[2].tolist() == pytest.approx([2.0, -2 / 3, -2 / 3, -2 / 3], abs=1e-12)
     with pytest.raises(UserError, match="G >= 2"):
-        build("rloo").advantages(torch.ones(3, 1))
+        build_objective("rloo").advantages(torch.ones(3, 1))
 
 
 def test_reinforce_pp_whitens_over_the_whole_batch_by_hand():
     # r - group mean: (.5, -.5, -.5, .5), (0, 0, 0, 0), (1.5, -.5, -.5, -.5). Over the 12 values: mean 0,
     # Bessel variance (4 * .25 + 2.25 + 3 * .25) / 11 = 4/11, so every value is multiplied by sqrt(11/4) = 1.6583124
-    adv = build("reinforce_pp").advantages(REWARDS)
+    adv = build_objective("reinforce_pp").advantages(REWARDS)
     scale = 1 / math.sqrt(4 / 11 + 1e-8)
     assert adv[0].tolist() == pytest.approx([0.5 * scale, -0.5 * scale, -0.5 * scale, 0.5 * scale], abs=1e-12)
     assert torch.equal(adv[1], torch.zeros(4, dtype=torch.float64))  # no signal stays exactly 0
     assert adv[2, 0].item() == pytest.approx(1.5 * 1.6583124, abs=1e-7)
     # One batch-wide scale, unlike GRPO's per-group std: the rows of group 0 and group 2 share it.
-    grpo = build("grpo").advantages(REWARDS)
+    grpo = build_objective("grpo").advantages(REWARDS)
     assert adv[0, 0] / adv[2, 1] == pytest.approx(-1.0) and grpo[0, 0] / grpo[2, 1] != pytest.approx(-1.0)
     # All groups flat: no NaN, all 0.
-    assert torch.equal(build("reinforce_pp").advantages(torch.ones(2, 4)), torch.zeros(2, 4))
+    assert torch.equal(build_objective("reinforce_pp").advantages(torch.ones(2, 4)), torch.zeros(2, 4))
 
 
 def verl_rloo(scores, index):
@@ -145,10 +144,10 @@ def test_advantages_match_verl():
     rewards[:2] = rewards[:2].round()
     rewards[0] = 1.0
     index = torch.arange(5).repeat_interleave(4)  # [N]
-    assert torch.allclose(build("rloo").advantages(rewards).flatten(), verl_rloo(rewards.flatten(), index),
+    assert torch.allclose(build_objective("rloo").advantages(rewards).flatten(), verl_rloo(rewards.flatten(), index),
                           atol=TOL, rtol=0)
     # One token per sequence: verl's token-weighted whitening is gpo's sequence-weighted one.
-    ours = build("reinforce_pp").advantages(rewards).flatten()  # [N]
+    ours = build_objective("reinforce_pp").advantages(rewards).flatten()  # [N]
     same = verl_reinforce_pp_baseline(rewards.flatten(), index, torch.ones(20, 1, dtype=torch.float64))
     assert torch.allclose(ours.unsqueeze(1), same, atol=TOL, rtol=0)
     # Unequal lengths: verl weights each sequence by its length; gpo does not (a documented difference).
@@ -173,12 +172,12 @@ def test_gspo_by_hand():
     # log ratios (.1, .3): s = exp(.2) = 1.2214028, one term per sequence; with clip .2/.28 it is inside the range,
     # so loss -A*s and each token's gradient -A * s / 2 (d s / d logp_t = s / |y|)
     logp, batch, totals = one_row([0.1, 0.3], [0.0, 0.0], 1.0)
-    loss, grad, m = loss_and_grad(build("gspo", epsilon_low=0.2, epsilon_high=0.28), logp, batch, totals)
+    loss, grad, m = loss_and_grad(build_objective("gspo", epsilon_low=0.2, epsilon_high=0.28), logp, batch, totals)
     assert loss.item() == pytest.approx(-1.2214028, abs=1e-7)
     assert grad.tolist()[0] == pytest.approx([-0.6107014, -0.6107014], abs=1e-7)
     assert m["ratio/token_max"].item() == pytest.approx(1.2214028, abs=1e-7)  # the sequence's ratio on its tokens
     # Paper clip 3e-4 / 4e-4: s > 1.0004 with A > 0 is clipped: loss -1.0004, no gradient, both tokens flagged.
-    loss, grad, m = loss_and_grad(build("gspo"), logp, batch, totals)
+    loss, grad, m = loss_and_grad(build_objective("gspo"), logp, batch, totals)
     assert loss.item() == pytest.approx(-1.0004, abs=1e-12) and torch.equal(grad, torch.zeros_like(grad))
     assert m["clip/high_frac"].item() == 1.0
 
@@ -187,13 +186,13 @@ def test_cispo_by_hand():
     # ratios 2 and 8; cap 5 -> weights 2 and 5 (detached); A = 1; token mean over 2 tokens:
     # loss -(2 ln 2 + 5 ln 8) / 2 = -5.8917511, gradient -(2, 5) / 2: the capped token keeps a gradient
     logp, batch, totals = one_row([LN2, 3 * LN2], [0.0, 0.0], 1.0)
-    loss, grad, m = loss_and_grad(build("cispo"), logp, batch, totals)
+    loss, grad, m = loss_and_grad(build_objective("cispo"), logp, batch, totals)
     assert loss.item() == pytest.approx(-(2 * LN2 + 5 * 3 * LN2) / 2, abs=1e-12)
     assert grad.tolist()[0] == pytest.approx([-1.0, -2.5], abs=1e-12)
     assert m["clip/high_frac"].item() == 0.5 and m["clip/low_frac"].item() == 0.0
     # verl's two-sided clip [0.8, 1.2]: weights 1.2 and 1.2; a ratio of 0.5 is raised to 0.8
     logp, batch, totals = one_row([LN2, -LN2], [0.0, 0.0], -1.0)
-    loss, grad, m = loss_and_grad(build("cispo", epsilon_low=0.2, epsilon_high=0.2), logp, batch, totals)
+    loss, grad, m = loss_and_grad(build_objective("cispo", epsilon_low=0.2, epsilon_high=0.2), logp, batch, totals)
     assert loss.item() == pytest.approx((1.2 * LN2 + 0.8 * -LN2) / 2, abs=1e-12)
     assert grad.tolist()[0] == pytest.approx([0.6, 0.4], abs=1e-12)
     assert m["clip/high_frac"].item() == 0.5 and m["clip/low_frac"].item() == 0.5
@@ -202,14 +201,14 @@ def test_cispo_by_hand():
 def test_sapo_by_hand():
     # on-policy (r = 1): gate 4/tau * sigmoid(0) = 2/tau, gradient 4 * sigmoid'(0) * r = 1 per unit of -A, GRPO's
     logp, batch, totals = one_row([-0.5], [-0.5], 1.0)
-    loss, grad, _ = loss_and_grad(build("sapo"), logp, batch, totals)
+    loss, grad, _ = loss_and_grad(build_objective("sapo"), logp, batch, totals)
     assert loss.item() == pytest.approx(-2.0, abs=1e-12) and grad.item() == pytest.approx(-1.0, abs=1e-12)
     logp, batch, totals = one_row([-0.5], [-0.5], -1.0)  # A < 0: tau_neg 1.05
-    loss, grad, _ = loss_and_grad(build("sapo"), logp, batch, totals)
+    loss, grad, _ = loss_and_grad(build_objective("sapo"), logp, batch, totals)
     assert loss.item() == pytest.approx(2 / 1.05, abs=1e-12) and grad.item() == pytest.approx(1.0, abs=1e-12)
     # r = 2, A = 1, tau 1: loss -4 sigmoid(1) = -2.9242344; gradient -4 sigmoid(1) (1 - sigmoid(1)) * 2 = -1.5728954
     logp, batch, totals = one_row([LN2], [0.0], 1.0)
-    loss, grad, m = loss_and_grad(build("sapo"), logp, batch, totals)
+    loss, grad, m = loss_and_grad(build_objective("sapo"), logp, batch, totals)
     assert loss.item() == pytest.approx(-2.9242344, abs=1e-7) and grad.item() == pytest.approx(-1.5728954, abs=1e-7)
     assert m["clip/high_frac"].item() == 0.0  # nothing is clipped, only damped
 
@@ -218,13 +217,13 @@ def test_gmpo_by_hand():
     # A = 1, log ratios (.1, .6): .6 is clipped to .4 (upper bound only), mean .25, R = exp(.25) = 1.2840254;
     # loss -R; gradient -R / 2 on the first token, 0 on the clipped one
     logp, batch, totals = one_row([0.1, 0.6], [0.0, 0.0], 1.0)
-    loss, grad, m = loss_and_grad(build("gmpo"), logp, batch, totals)
+    loss, grad, m = loss_and_grad(build_objective("gmpo"), logp, batch, totals)
     assert loss.item() == pytest.approx(-1.2840254, abs=1e-7)
     assert grad.tolist()[0] == pytest.approx([-0.6420127, 0.0], abs=1e-7)
     assert m["clip/high_frac"].item() == 0.5
     # A = -1, log ratios (-.6, .1): -.6 is raised to -.4 (lower bound only), mean -.15, R = exp(-.15) = .8607080
     logp, batch, totals = one_row([-0.6, 0.1], [0.0, 0.0], -1.0)
-    loss, grad, m = loss_and_grad(build("gmpo"), logp, batch, totals)
+    loss, grad, m = loss_and_grad(build_objective("gmpo"), logp, batch, totals)
     assert loss.item() == pytest.approx(0.8607080, abs=1e-7)
     assert grad.tolist()[0] == pytest.approx([0.0, 0.4303540], abs=1e-7)
     assert m["clip/low_frac"].item() == 0.5
@@ -234,12 +233,12 @@ def test_rloo_by_hand():
     # log ratios (.1, .05): the completion's ratio is their product exp(.15) = 1.1618342, inside [.8, 1.2]:
     # loss -A * 1.1618342 and every token's gradient -A * 1.1618342 (a token sum, no division by the length)
     logp, batch, totals = one_row([0.1, 0.05], [0.0, 0.0], 1.0)
-    loss, grad, _ = loss_and_grad(build("rloo"), logp, batch, totals)
+    loss, grad, _ = loss_and_grad(build_objective("rloo"), logp, batch, totals)
     assert loss.item() == pytest.approx(-1.1618342, abs=1e-7)
     assert grad.tolist()[0] == pytest.approx([-1.1618342, -1.1618342], abs=1e-7)
     # exp(.3) = 1.35 > 1.2 with A > 0: clipped, no gradient
     logp, batch, totals = one_row([0.1, 0.2], [0.0, 0.0], 1.0)
-    loss, grad, _ = loss_and_grad(build("rloo"), logp, batch, totals)
+    loss, grad, _ = loss_and_grad(build_objective("rloo"), logp, batch, totals)
     assert loss.item() == pytest.approx(-1.2, abs=1e-12) and torch.equal(grad, torch.zeros_like(grad))
 
 
@@ -322,7 +321,7 @@ def test_losses_and_gradients_match_verl(case, ranks, micro_batches):
     cfg, verl = VERL[case]
     logp, old, adv, mask = rollout(seed=sum(map(ord, case)) + 7 * ranks + micro_batches, scale=SCALES[case])
     n = len(adv)
-    objective = build(case.split("-")[0], **cfg)
+    objective = build_objective(case.split("-")[0], **cfg)
     totals = StepTotals(sequences=n, tokens=int(mask.sum()))
     agg = {"dp_size": ranks, "tokens": totals.tokens, "sequences": n}
     if case == "gmpo":
@@ -348,7 +347,7 @@ def test_losses_and_gradients_match_verl(case, ranks, micro_batches):
 
 @pytest.mark.parametrize("name", NEW)
 def test_micro_batches_sum_to_the_step_loss_and_metrics(name):
-    whole_m = assert_micro_batches_sum_to_the_step(build(name, beta=0.05), seed=5)
+    whole_m = assert_micro_batches_sum_to_the_step(build_objective(name, beta=0.05), seed=5)
     assert whole_m["loss/kl"].item() > 0
 
 
@@ -357,7 +356,7 @@ def test_single_token_fully_masked_and_garbage_padding_rows(name):
     logp = torch.tensor([[-0.7, float("-inf")], [float("nan"), -0.2]], dtype=torch.float64, requires_grad=True)
     batch = micro_batch([1.0, -1.0], [[1, 0], [0, 0]], old_logprobs=[[-0.5, 0.0], [0.0, 0.0]],
                         ref_logprobs=torch.zeros(2, 2))
-    loss, m = build(name, beta=0.1).loss(logp, batch, StepTotals(2, 1))
+    loss, m = build_objective(name, beta=0.1).loss(logp, batch, StepTotals(2, 1))
     loss.backward()
     assert loss.isfinite() and all(v.isfinite() for k, v in m.items() if not k.endswith(("_min", "_max")))
     assert logp.grad[0, 0].item() != 0.0

@@ -10,35 +10,8 @@ import torch
 from gpo import ops
 from gpo.errors import UserError
 from gpo.metrics import advantage_metrics
-from gpo.types import RolloutBatch, StepTotals
-
-LN2 = math.log(2.0)
-
-
-def micro_batch(
-    advantages, mask, old_logprobs=None, ref_logprobs=None, truncated=None, dtype=torch.float64
-) -> RolloutBatch:
-    """A RolloutBatch holding only what objectives read: advantages [n], masks [n, L], optional log-probs."""
-    mask = torch.as_tensor(mask, dtype=torch.long)  # [n, L]
-    n, length = mask.shape
-
-    def as_float(x):
-        return None if x is None else torch.as_tensor(x, dtype=dtype)
-
-    return RolloutBatch(
-        prompt_ids=torch.ones(n, 1, dtype=torch.long),  # [n, 1]
-        prompt_mask=torch.ones(n, 1, dtype=torch.long),  # [n, 1]
-        completion_ids=torch.ones(n, length, dtype=torch.long),  # [n, L]
-        completion_mask=mask,
-        group_ids=torch.zeros(n, dtype=torch.long),  # [n]
-        rewards=torch.zeros(n, dtype=dtype),  # [n]
-        advantages=as_float(advantages),
-        truncated=torch.zeros(n, dtype=torch.bool) if truncated is None else torch.as_tensor(truncated),
-        owner_rank=torch.zeros(n, dtype=torch.long),  # [n]
-        old_logprobs=as_float(old_logprobs),
-        ref_logprobs=as_float(ref_logprobs),
-    )
-
+from gpo.types import StepTotals
+from kit import LN2, micro_batch
 
 # --- advantages ---------------------------------------------------------------------------------------------------
 

@@ -17,33 +17,9 @@ from gpo.errors import UserError
 from gpo.metrics import prune_metrics
 from gpo.pruners.ranking import row_keys, top_up
 from gpo.quota import kept_per_group
-from gpo.types import RolloutBatch
+from kit import make_batch
 
 registry.load_builtins()
-
-
-def make_batch(advantages, group_size, owner_rank=None, tokens=None, pad=0, first_group=0, first_prompt=7):
-    """N = len(advantages) rows in groups of `group_size`; row i's completion is [tokens[i]] (default 100 + i),
-    followed by `pad` extra padding columns; question q's prompt is the one token first_prompt + q."""
-    adv = torch.tensor(advantages, dtype=torch.float32)  # [N]
-    n = len(adv)
-    tokens = list(range(100, 100 + n)) if tokens is None else tokens
-    completion_ids = torch.zeros(n, 1 + pad, dtype=torch.long)  # [N, L]
-    completion_ids[:, 0] = torch.tensor(tokens)
-    completion_mask = torch.zeros(n, 1 + pad, dtype=torch.long)  # [N, L]
-    completion_mask[:, 0] = 1
-    question = torch.arange(n) // group_size  # [N]
-    return RolloutBatch(
-        prompt_ids=(question + first_prompt).reshape(n, 1),  # [N, 1]
-        prompt_mask=torch.ones(n, 1, dtype=torch.long),  # [N, 1]
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        group_ids=question + first_group,
-        rewards=adv.clone(),
-        advantages=adv,
-        truncated=torch.zeros(n, dtype=torch.bool),
-        owner_rank=torch.zeros(n, dtype=torch.long) if owner_rank is None else torch.tensor(owner_rank),
-    )
 
 
 def build(name, **cfg):

@@ -33,7 +33,7 @@ class FixedBackend:
     def generate(self, prompts, n, sampling, seed):
         return [list(r) for r in self.rows]
 
-    def sampled_logprobs(self):
+    def generator_logprobs(self):
         return None
 
 

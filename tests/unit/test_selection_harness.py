@@ -55,7 +55,7 @@ def test_screen_judging_on_the_total_continues_a_wrong_group_whose_formatting_di
 
 
 def test_mopps_posterior_after_a_harness_round_counts_right_answers():
-    """3 right of 4 (all formatted, total 2 or 1): Beta(1 + 3, 1 + 1) on the pass rate; on the total every
+    """3 right of 4 (all formatted, total 2 or 1): Beta(1 + 3, 1 + 1) on the success rate; on the total every
     completion would look like a success."""
     mopps = build("mopps")
     run = select(mopps, {5: shaped([1, 1, 0, 1], [1, 1, 1, 1], 1.0)}, group_size=G)

@@ -42,10 +42,10 @@ def test_grpo_advantages_by_hand():
     # Group 1 rewards [1, 0, 0, 1]: mean 0.5, Bessel std sqrt(1/3) = 0.57735; A = +-0.5 / (0.57735 + 1e-4).
     # Group 2 rewards all 1: std 0, A = 0 (no signal; the filter of GRPO keeps it anyway).
     batch = hand_batch([1, 0, 0, 1, 1, 1, 1, 1], group_size=4)
-    scored, keep = score_groups(objective("grpo"), batch, group_size=4)
+    scored, group_mask = score_groups(objective("grpo"), batch, group_size=4)
     a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
     assert torch.allclose(scored.advantages, torch.tensor([a, -a, -a, a, 0, 0, 0, 0]), atol=1e-6)
-    assert keep.tolist() == [True, True]
+    assert group_mask.tolist() == [True, True]
     assert torch.equal(scored.rewards, batch.rewards)  # GRPO shapes nothing
 
 
@@ -68,11 +68,11 @@ def test_kept_rows_are_the_filtered_groups_top_k_by_abs_advantage():
     batch = hand_batch([1, 0, .6, .3, 1, 1, 1, 1, .9, .1, .5, 0], group_size=4)
     scored, _ = score_groups(objective("grpo"), batch, 4)
     pruner = registry.get("pruner", "topk").build({"rate": 0.5})
-    group_keep = torch.tensor([True, False, True])
-    candidates, keep = kept_rows(pruner, scored, group_keep, 4)
+    group_mask = torch.tensor([True, False, True])
+    candidates, keep = kept_rows(pruner, scored, group_mask, 4)
     assert len(candidates) == 8 and candidates.group_ids.tolist() == [0, 0, 0, 0, 2, 2, 2, 2]
     assert keep.nonzero().flatten().tolist() == [0, 1, 4, 7]
-    _, padded = kept_rows(pruner, scored, group_keep, 4, multiple_of=3)  # 4 kept -> topped up to 6 by |A|
+    _, padded = kept_rows(pruner, scored, group_mask, 4, multiple_of=3)  # 4 kept -> topped up to 6 by |A|
     added = (padded & ~keep).nonzero().flatten().tolist()
     pruned_by_size = sorted((~keep).nonzero().flatten().tolist(), key=lambda i: -float(candidates.advantages[i].abs()))
     assert int(padded.sum()) == 6 and padded[keep].all() and sorted(added) == sorted(pruned_by_size[:2])

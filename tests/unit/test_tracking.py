@@ -1,16 +1,11 @@
 """Trackers: the null object does nothing; MLflow logs params, per-step metrics, the config and artifacts into
-a local SQLite store or a real `mlflow server`, and falls back to a JSONL file when the server is unreachable."""
+a local SQLite store, and it falls back to a JSONL file when the server is unreachable (a real `mlflow server`:
+tests/integration/test_tracking_server.py)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -28,22 +23,28 @@ from gpo.tracking import (
     flatten,
     param_value,
 )
-
-CONFIG_YAML = "optim:\n  lr: 1.0e-05\nseed: 42\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def warnings_from_tracker(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "gpo.tracking" and r.levelno == logging.WARNING]
+from kit import (  # noqa: F401  (mlflow_connections is a fixture)
+    HANG_S,
+    TRACKED_CONFIG_YAML,
+    free_port,
+    mlflow_connections,
+    read_jsonl,
+    warnings_from_tracker,
+)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+@pytest.fixture
+def probes(monkeypatch) -> list[tuple[str, float]]:
+    """(url, timeout) of every urllib request, which is how the tracker probes a server's /health."""
+    seen: list[tuple[str, float]] = []
+    plain = urllib.request.urlopen
+
+    def counted(url, *args, timeout=None, **kwargs):
+        seen.append((url, timeout))
+        return plain(url, *args, timeout=timeout, **kwargs)
+
+    monkeypatch.setattr(urllib.request, "urlopen", counted)
+    return seen
 
 
 # --- pure helpers ------------------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ def test_null_tracker_does_nothing(tmp_path, monkeypatch):
     artifact = tmp_path / "model.txt"
     artifact.write_text("weights")
     t = NullTracker()
-    t.start("run", {"optim": {"lr": 1.0}}, CONFIG_YAML)
+    t.start("run", {"optim": {"lr": 1.0}}, TRACKED_CONFIG_YAML)
     t.log_metrics({"loss": 1.0}, step=0)
     t.log_artifact(str(artifact))
     t.log_summary({"accuracy": 0.5})
@@ -136,7 +137,7 @@ def test_mlflow_is_imported_only_when_a_run_starts(tmp_path):
         f"t = MlflowTracker(run_dir={str(tmp_path)!r}); t.location(); "
         "assert 'mlflow' not in sys.modules, 'mlflow imported at construction'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=HANG_S)
 
 
 # --- batching, against a recording client ---------------------------------------------------------------------------
@@ -189,7 +190,7 @@ def test_local_store_round_trip(tmp_path, caplog):
     # 150 params: more than one log_batch may carry; one value longer than MLflow's 500-character limit
     params = {"optim": {"lr": 1e-5, "betas": [0.9, 0.99]}, "many": {f"k{i}": i for i in range(148)},
               "note": "x" * 700}
-    t.start("grpo-test", params, CONFIG_YAML)
+    t.start("grpo-test", params, TRACKED_CONFIG_YAML)
     t.log_metrics({"loss": 0.5, "reward/mean": 0.25}, step=0)
     t.log_metrics({"loss": 0.25, "reward/mean": 0.75}, step=1)
     artifact = tmp_path / "eval.json"
@@ -216,7 +217,7 @@ def test_local_store_round_trip(tmp_path, caplog):
     # artifacts live beside the database, inside the run directory
     assert sorted(a.path for a in client.list_artifacts(t.run_id)) == ["config.yaml", "eval.json"]
     stored = next(run_dir.glob("mlartifacts/*/artifacts/config.yaml"))
-    assert stored.read_text() == CONFIG_YAML
+    assert stored.read_text() == TRACKED_CONFIG_YAML
     assert f"mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}" in t.location()
     assert t.run_id in t.location()
     assert not warnings_from_tracker(caplog)
@@ -227,18 +228,19 @@ def test_local_store_round_trip(tmp_path, caplog):
 # --- unreachable server -----------------------------------------------------------------------------------------------
 
 
-def test_unreachable_server_falls_back_to_jsonl_with_one_warning(tmp_path, caplog):
+def test_unreachable_server_falls_back_to_jsonl_with_one_warning(tmp_path, caplog, probes, mlflow_connections):  # noqa: F811
     port = free_port()  # bound and released: nobody listens there
     run_dir = tmp_path / "run"
     t = MlflowTracker(MlflowConfig(uri=f"http://127.0.0.1:{port}"), run_dir=str(run_dir))
-    began = time.monotonic()
-    t.start("r", {"optim": {"lr": 1e-5}}, CONFIG_YAML)
+    t.start("r", {"optim": {"lr": 1e-5}}, TRACKED_CONFIG_YAML)
     for step in range(3):
         t.log_metrics({"loss": float(step)}, step)
     t.log_artifact(str(run_dir / "config.yaml"))
     t.log_summary({"final_model": "/m", "accuracy": 0.5})
     t.end("FAILED")
-    assert time.monotonic() - began < 10  # connection refused is immediate; the probe bounds the rest
+    # One bounded probe and not a single MLflow request (whose retries could stall the run for minutes).
+    assert probes == [(f"http://127.0.0.1:{port}/health", t.cfg.probe_timeout_s)]
+    assert mlflow_connections == []
 
     warned = warnings_from_tracker(caplog)
     assert len(warned) == 1
@@ -247,89 +249,5 @@ def test_unreachable_server_falls_back_to_jsonl_with_one_warning(tmp_path, caplo
     assert [(x["step"], x["loss"]) for x in lines[:3]] == [(0, 0.0), (1, 1.0), (2, 2.0)]
     assert lines[3]["summary"] == {"final_model": "/m", "accuracy": 0.5}
     assert lines[4]["status"] == "FAILED"
-    assert (run_dir / "config.yaml").read_text() == CONFIG_YAML  # the config survives the dead server
+    assert (run_dir / "config.yaml").read_text() == TRACKED_CONFIG_YAML  # the config survives the dead server
     assert "metrics.jsonl" in t.location()
-
-
-# --- a real mlflow server ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """`mlflow server` on a free local port with a SQLite backend; always terminated (its whole process group)."""
-    root = tmp_path_factory.mktemp("mlflow_server")
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    # Job execution spawns several consumer processes that take seconds to start and are not needed here.
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "art")]
-    log_file = (root / "server.log").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def stop() -> None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=15)
-
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited early:\n{(root / 'server.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"mlflow server did not answer /health:\n{(root / 'server.log').read_text()[-3000:]}")
-                time.sleep(0.25)
-        yield uri, stop
-    finally:
-        stop()
-        log_file.close()
-
-
-def test_real_server_child_run_then_server_dies(mlflow_server, tmp_path, caplog):
-    from mlflow.tracking import MlflowClient
-
-    uri, stop_server = mlflow_server
-    client = MlflowClient(tracking_uri=uri)
-    parent = client.create_run(client.create_experiment("study"), run_name="study-parent").info.run_id
-
-    run_dir = tmp_path / "child"
-    cfg = MlflowConfig(uri=uri, experiment="study", parent_run_id=parent, tags={"trial": "3"}, request_retries=0)
-    t = MlflowTracker(cfg, run_dir=str(run_dir))
-    t.start("trial-3", {"optim": {"lr": 2e-6}, "train": {"group_size": 8}}, CONFIG_YAML)
-    t.log_metrics({"loss": 1.5}, step=0)
-    t.log_metrics({"loss": 1.25}, step=1)
-    artifact = tmp_path / "notes.txt"
-    artifact.write_text("hello")
-    t.log_artifact(str(artifact))
-
-    run = client.get_run(t.run_id)
-    assert run.data.tags["mlflow.parentRunId"] == parent
-    assert run.data.tags["trial"] == "3"
-    assert run.data.params == {"optim.lr": "2e-06", "train.group_size": "8"}
-    assert [(m.step, m.value) for m in client.get_metric_history(t.run_id, "loss")] == [(0, 1.5), (1, 1.25)]
-    assert sorted(a.path for a in client.list_artifacts(t.run_id)) == ["config.yaml", "notes.txt"]
-    config_copy = client.download_artifacts(t.run_id, "config.yaml", str(tmp_path))
-    assert Path(config_copy).read_text() == CONFIG_YAML
-    assert f"{uri}/#/experiments/{run.info.experiment_id}/runs/{t.run_id}" in t.location()
-    assert not warnings_from_tracker(caplog)
-
-    # The server goes away mid-run: the run goes on, later steps land in the JSONL file, one warning.
-    stop_server()
-    began = time.monotonic()
-    t.log_metrics({"loss": 1.0}, step=2)
-    t.log_metrics({"loss": 0.75}, step=3)
-    t.end()
-    assert time.monotonic() - began < 30  # bounded by request_retries=0, not MLflow's default minutes of retries
-    assert len(warnings_from_tracker(caplog)) == 1
-    lines = read_jsonl(run_dir / "metrics.jsonl")
-    assert [(x["step"], x["loss"]) for x in lines[:2]] == [(2, 1.0), (3, 0.75)]
-    assert lines[2]["status"] == "FINISHED"

@@ -39,8 +39,7 @@ import torch
 
 from gpo.metrics import advantage_metrics
 from gpo.types import StepTotals
-from test_algorithms import build
-from test_ops import micro_batch
+from kit import build_objective, micro_batch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                                 reason="TRL (the `dev` extra) is not installed")
@@ -172,7 +171,7 @@ def assert_close(a, b):
 def test_advantages_match_trl(gen, name, cfg, scale_rewards):
     rewards = random_rewards(gen)
     out, trl_metrics = trl_score(rewards, scale_rewards=scale_rewards)
-    ours = build(name, **cfg).advantages(rewards)
+    ours = build_objective(name, **cfg).advantages(rewards)
     assert_close(ours.flatten(), out["advantages"])
     assert torch.equal(ours[:2], torch.zeros(2, 4, dtype=torch.float64))  # exactly 0 where TRL may leave 1e-13
     metrics = advantage_metrics(rewards, ours)
@@ -184,7 +183,7 @@ def test_advantages_match_trl(gen, name, cfg, scale_rewards):
 def test_dapo_default_epsilon_is_verls_not_trls(gen):
     rewards = random_rewards(gen)
     out, _ = trl_score(rewards, scale_rewards="group")
-    ours = build("dapo").advantages(rewards)  # (r - mean) / (std + 1e-6); TRL: / (std + 1e-4)
+    ours = build_objective("dapo").advantages(rewards)  # (r - mean) / (std + 1e-6); TRL: / (std + 1e-4)
     std = rewards.std(dim=1, keepdim=True)  # [B, 1]
     mixed = std.squeeze(1) > 0
     expected = out["advantages"].view_as(rewards) * (std + 1e-4) / (std + 1e-6)
@@ -200,7 +199,8 @@ def test_truncation_masking_and_token_count_match_trl(gen):
     ids = [[TOKEN] * (k - 1) + [TOKEN if cut else EOS] for k, cut in zip(lengths, truncated, strict=True)]
     out, _ = trl_score(random_rewards(gen, groups=2), completion_ids=ids, mask_truncated=True)
     mask = (torch.arange(out["completion_mask"].shape[1]) < torch.tensor(lengths).unsqueeze(1)).long()  # [n, L]
-    ours = build("dapo", mask_truncated=True).loss_mask(micro_batch(torch.zeros(n), mask, truncated=truncated))
+    dapo = build_objective("dapo", mask_truncated=True)
+    ours = dapo.loss_mask(micro_batch(torch.zeros(n), mask, truncated=truncated))
     assert torch.equal(ours, out["completion_mask"])
     assert int(ours.sum()) == int(out["num_items_in_batch"])  # StepTotals.tokens == TRL's num_items_in_batch
 
@@ -220,7 +220,7 @@ PAIRS = [
 @pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg"), PAIRS)
 def test_one_micro_batch_loss_gradient_and_metrics_match_trl(gen, name, cfg, loss_type, trl_cfg):
     logp, old, ref, adv, mask = random_rollout(gen)
-    objective = build(name, max_completion_length=mask.shape[1], **cfg)
+    objective = build_objective(name, max_completion_length=mask.shape[1], **cfg)
     totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
     loss, grad, metrics = gpo_loss(objective, logp, adv, mask, old, ref, totals)
     trl, trl_grad, trl_metrics = trl_loss(logp, adv, mask, old, ref, loss_type=loss_type,
@@ -238,7 +238,7 @@ def test_one_micro_batch_loss_gradient_and_metrics_match_trl(gen, name, cfg, los
 def test_mu_one_matches_trl_without_old_logprobs(gen):
     logp, _, ref, adv, mask = random_rollout(gen)
     totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
-    loss, grad, _ = gpo_loss(build("grpo"), logp, adv, mask, None, ref, totals)
+    loss, grad, _ = gpo_loss(build_objective("grpo"), logp, adv, mask, None, ref, totals)
     trl, trl_grad, _ = trl_loss(logp, adv, mask, None, ref, loss_type="grpo", beta=0.04)
     assert_close(loss, trl)
     assert_close(grad, trl_grad)
@@ -252,7 +252,7 @@ def split_rows(*tensors, parts):
 def test_equal_micro_batches_with_accumulation_match_trl(gen, name, cfg, loss_type, trl_cfg):
     """grpo, dapo and dr_grpo over 3 accumulation steps of equal row counts (token counts differ)."""
     logp, old, ref, adv, mask = random_rollout(gen, n=9)
-    objective = build(name, max_completion_length=mask.shape[1], **cfg)
+    objective = build_objective(name, max_completion_length=mask.shape[1], **cfg)
     totals = StepTotals(sequences=9, tokens=int(mask.sum()))
     ours = trl = 0.0
     for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=3):
@@ -265,7 +265,7 @@ def test_equal_micro_batches_with_accumulation_match_trl(gen, name, cfg, loss_ty
 def test_dapo_across_ranks_trl_normaliser_is_tokens_over_world_size(gen):
     """Difference 3: per rank, TRL's loss is world_size x gpo's share; DDP's mean of TRL's = the sum of gpo's."""
     logp, old, ref, adv, mask = random_rollout(gen, n=8)
-    objective = build("dapo", max_completion_length=mask.shape[1])
+    objective = build_objective("dapo", max_completion_length=mask.shape[1])
     totals = StepTotals(sequences=8, tokens=int(mask.sum()))  # all-reduced over both ranks
     ours, trl = [], []
     for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=2):
@@ -303,7 +303,7 @@ def test_unequal_micro_batches_bnpo_and_dr_grpo_are_local_in_trl(gen, name, cfg,
     totals = StepTotals(sequences=8, tokens=int(mask.sum()))
     assert totals.tokens == 43
     rows = (slice(0, 2), slice(2, 8))  # 2 rows and 6 rows
-    objective = build(name, max_completion_length=length, **cfg)
+    objective = build_objective(name, max_completion_length=length, **cfg)
     ours = sum(gpo_loss(objective, logp[r], adv[r], mask[r], old[r], ref[r], totals)[0] for r in rows)
     trl = sum(trl_loss(logp[r], adv[r], mask[r], old[r], ref[r], loss_type=loss_type, accumulation=2,
                        max_completion_length=length)[0] for r in rows)
@@ -340,7 +340,7 @@ def family_rollout(gen, scale, n=8):
 @pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg", "scale"), FAMILY_PAIRS, ids=FAMILY_IDS)
 def test_family_one_micro_batch_loss_and_gradient_match_trl(gen, name, cfg, loss_type, trl_cfg, scale):
     logp, old, ref, adv, mask = family_rollout(gen, scale)
-    objective = build(name, **cfg)
+    objective = build_objective(name, **cfg)
     totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
     loss, grad, metrics = gpo_loss(objective, logp, adv, mask, old, ref, totals)
     trl, trl_grad, trl_metrics = trl_loss(logp, adv, mask, old, ref, loss_type=loss_type, **trl_cfg)
@@ -368,7 +368,7 @@ def test_gspo_clips_some_sequences_and_not_others(gen):
 @pytest.mark.parametrize(("name", "cfg", "loss_type", "trl_cfg", "scale"), FAMILY_PAIRS, ids=FAMILY_IDS)
 def test_family_equal_micro_batches_with_accumulation_match_trl(gen, name, cfg, loss_type, trl_cfg, scale):
     logp, old, ref, adv, mask = family_rollout(gen, scale, n=9)
-    objective = build(name, **cfg)
+    objective = build_objective(name, **cfg)
     totals = StepTotals(sequences=9, tokens=int(mask.sum()))
     ours, trl, grads, trl_grads = 0.0, 0.0, [], []
     for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=3):
@@ -387,7 +387,7 @@ def test_family_across_two_ranks_match_trl(gen, name, cfg, loss_type, trl_cfg, s
     """Each rank's TRL loss (and gradient) is 2x gpo's share: TRL's normaliser is per rank (its sequences, or
     tokens / world_size), gpo's is the step's, and the engine multiplies by world_size before DDP's mean."""
     logp, old, ref, adv, mask = family_rollout(gen, scale, n=8)
-    objective = build(name, **cfg)
+    objective = build_objective(name, **cfg)
     totals = StepTotals(sequences=8, tokens=int(mask.sum()))  # all-reduced over both ranks
     shares = []
     for lp, o, r, a, m in split_rows(logp, old, ref, adv, mask, parts=2):
@@ -416,7 +416,7 @@ def test_rloo_advantages_match_trl(gen):
     t._calculate_rewards = lambda inputs, prompts, completions, ids: rewards.reshape(n, 1)
     t._get_per_token_logps_and_entropies = lambda model, ids, *a, **k: (torch.zeros(ids.shape[0], 2), None, None)
     out = t._generate_and_score_completions([{"prompt": "question"}] * n)
-    ours = build("rloo").advantages(rewards)  # [B, G]
+    ours = build_objective("rloo").advantages(rewards)  # [B, G]
     assert_close(ours.flatten(), out["advantages"])
     assert torch.equal(ours[:2], torch.zeros(2, 4, dtype=torch.float64))
 
@@ -449,7 +449,7 @@ def test_rloo_loss_and_gradient_match_trl(gen, parts):
     logp = old + 0.02 * (logp - old)  # sequence ratios multiply 1-7 token ratios: keep most inside the clip
     logp[2:4, 0] += torch.tensor([0.5, -0.5], dtype=logp.dtype)  # and push two rows out of it, one on each side
     adv[mask.sum(1) == 0] = 0.0
-    objective = build("rloo")
+    objective = build_objective("rloo")
     totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
     ours, trl, grads, trl_grads = 0.0, 0.0, [], []
     for lp, o, a, m in split_rows(logp, old, adv, mask, parts=parts):
@@ -468,5 +468,5 @@ def test_rloo_on_policy_gradient_is_the_papers_token_sum(gen):
     """mu = 1: gpo's RLOO gradient is -A_i / n on every token of row i (REINFORCE on the whole sequence)."""
     logp, _, _, adv, mask = random_rollout(gen)
     totals = StepTotals(sequences=len(adv), tokens=int(mask.sum()))
-    _, grad, _ = gpo_loss(build("rloo"), logp, adv, mask, None, None, totals)
+    _, grad, _ = gpo_loss(build_objective("rloo"), logp, adv, mask, None, None, totals)
     assert_close(grad, -adv.unsqueeze(1) * mask / len(adv))

@@ -175,6 +175,15 @@ def test_no_test_file_imports_another():
     assert found == {}, f"move what these import into tests/kit.py: {found}"
 
 
+def test_no_two_test_files_share_a_name():
+    """Test modules are imported by their bare name (no packages under tests/): two files of one name in the two
+    tiers make pytest refuse the second one at collection, which only a run of both tiers shows."""
+    names: dict[str, list[str]] = {}
+    for path in TESTS.rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
+    assert not {name: where for name, where in names.items() if len(where) > 1}
+
+
 def test_no_test_depends_on_how_fast_the_machine_is():
     found = {p.relative_to(REPO).as_posix(): hits for p in suite_files() if (hits := timing(p.read_text()))}
     assert found == {}, ("wait for an event (kit.until) with a hang guard given as `timeout=`, count what the time "

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gpo import registry
+from gpo.agent import Agent, build_agent
 from gpo.run_config import RunConfig
 from gpo.types import Allocator, Backend, Correction, Objective, Pruner, Selector, Task, Tracker
 
@@ -28,11 +29,14 @@ class Parts:
     reference: Any
     backend: Backend
     correction: Correction
+    agent: Agent | None = None  # the task's tools and environment (gpo/agent.py); None: single-turn rollouts
 
     def close(self) -> None:
-        """Free what the parts hold outside Python (a generator's process group, a task's worker processes)."""
-        for part in (self.backend, self.task):
-            part.close()
+        """Free what the parts hold outside Python (a generator's process group, a task's and the tools' worker
+        processes)."""
+        for part in (self.backend, self.task, self.agent):
+            if part is not None:
+                part.close()
 
 
 def build_parts(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trainable: bool = True,
@@ -51,6 +55,7 @@ def build_parts(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trai
     selector, pruner = registry.build(cfg.selector), registry.build(cfg.pruner)
     allocator, task = registry.build(cfg.allocator), registry.build(cfg.task)
     correction = registry.build(cfg.correction)
+    agent = build_agent(cfg.task.config)
     tracker = registry.build(cfg.tracker, run_dir=str(run_dir)) if rank == 0 and run_dir is not None else NullTracker()
     tokenizer = load_tokenizer(cfg.model)
     if policy is None:
@@ -58,4 +63,4 @@ def build_parts(cfg: RunConfig, run_dir: Path | None = None, rank: int = 0, trai
     reference = load_policy(cfg.model, trainable=False) if trainable and objective.needs_ref_logprobs else None
     backend = registry.build(cfg.backend, model=policy, tokenizer=tokenizer)
     return Parts(objective, selector, pruner, allocator, task, tracker, tokenizer, policy, reference, backend,
-                 correction)
+                 correction, agent)

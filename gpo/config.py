@@ -95,7 +95,9 @@ def _override_layer(overrides: Sequence[str], holds_text: Callable[[str], bool] 
             if holds_text is not None and holds_text(key):
                 kept.append(f"{key}={json.dumps(text, ensure_ascii=False)}")  # a JSON string is a quoted YAML one
             elif holds_text is not None:
-                raise UserError(f"cannot parse overrides {arg}: {' '.join(str(exc).split())}") from None
+                raise UserError(f"cannot parse overrides {arg}: {' '.join(str(exc).split())}. Values are read as "
+                                    "YAML: quote one that YAML reads specially (`*`, `&`, `!`, `{`), e.g. "
+                                    "key=['*'].") from None
             continue
         if value is not None and not isinstance(value, str) and holds_text is not None and holds_text(key):
             arg = f"{key}={json.dumps(text, ensure_ascii=False)}"

@@ -152,7 +152,7 @@ def all_gather_batch(batch: RolloutBatch, pad_token_id: int) -> RolloutBatch:
             continue
         value = getattr(batch, f.name)
         if f.name in ("old_logprobs", "ref_logprobs", "generator_logprobs", "is_weights", "is_mask", "loss_mask",
-                      "versions"):
+                      "versions", "tool_tokens"):
             _require_same_presence(value is not None, f.name)
         parts[f.name] = gather_field(value, left=f.name.startswith("prompt"),
                                      pad=pad_token_id if f.name.endswith("_ids") else 0)

@@ -157,7 +157,7 @@ class Engine:
             for i, mb in enumerate(micro):
                 with accumulating(self.accelerator, self.module, last=i == len(micro) - 1):
                     mb = mb.to(device)
-                    logp = self.module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                    logp = self.module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.attended,
                                        train_cfg.temperature)
                     if mb.generator_logprobs is not None and mb.is_weights is None:  # mu == 1: this pass is pi_old
                         mb, counts = corrected(self.correction, self.objective, mb, logp, may_mask=False)
@@ -194,7 +194,8 @@ class Engine:
         sampling = sampling_for(ev, self.train_cfg.max_completion_length)
         with gathered(self.accelerator, self.policy, needed=self.backend.generates_with_policy):
             _, summary = evaluate(self.policy, self.tokenizer, self.backend, task, examples, sampling,
-                                  ev.batch_size, self.train_cfg.max_prompt_length, ev.samples, ev.pass_k)
+                                  ev.batch_size, self.train_cfg.max_prompt_length, ev.samples, ev.pass_k,
+                                  agent=self.parts.agent)
         return {f"eval/{tag}/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
     def save(self) -> Path:

@@ -28,11 +28,14 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpo import registry
 from gpo.errors import UserError
 from gpo.types import Backend, Example, Grade, Sampling, Task
+
+if TYPE_CHECKING:
+    from gpo.agent import Agent
 
 # `gpo eval` shorthands -> config keys. A bare `gpo eval` scores the whole test split, unlike validation
 # during training (eval.split=validation, eval.limit from EvalConfig).
@@ -104,8 +107,9 @@ def sampling_for(ev: Any, default_max_new_tokens: int) -> Sampling:
 
 def evaluate(model: Any, tokenizer: Any, backend: Backend, task: Task, examples: Sequence[Example],
              sampling: Sampling, batch_size: int, max_prompt_length: int = 1024, samples: int = 1,
-             pass_k: Sequence[int] = ()) -> tuple[list[dict], dict]:
-    """Generate `samples` completions per example, `batch_size` completions per call, and grade them all.
+             pass_k: Sequence[int] = (), agent: Agent | None = None) -> tuple[list[dict], dict]:
+    """Generate `samples` completions per example, `batch_size` completions per call, and grade them all. With an
+    `agent` (the task's tools and environment) each completion is a trajectory, graded on its last model turn.
 
     Returns per-completion records (index, sample, prompt, completion, extracted answer, gold, correct,
     formatted, length) and a summary (n questions, accuracy, format_rate, mean_completion_length,
@@ -116,6 +120,7 @@ def evaluate(model: Any, tokenizer: Any, backend: Backend, task: Task, examples:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if samples < 1:
         raise UserError(f"eval.samples must be >= 1, got {samples}.")
+    from gpo.agent import Turns, roll_out
     from gpo.generation import decode_completions, encode_prompts
 
     ks = pass_ks(samples, pass_k) if samples > 1 else []
@@ -129,13 +134,22 @@ def evaluate(model: Any, tokenizer: Any, backend: Backend, task: Task, examples:
     try:
         for lo in range(0, len(examples), per_call):  # the last, partial batch is scored too
             batch = list(examples[lo:lo + per_call])
-            prompt_ids = encode_prompts(tokenizer, [task.prompt(ex) for ex in batch], max_prompt_length)
+            conversations = [task.prompt(ex) for ex in batch]
             # [b * samples] token id lists, each question's samples together; the seed is fixed, so evaluations
             # before and after training draw from the same random stream
-            completion_ids = backend.generate(prompt_ids, samples, sampling, EVAL_SEED + lo)
-            texts = decode_completions(tokenizer, completion_ids)
+            if agent is None:
+                prompt_ids = encode_prompts(tokenizer, conversations, max_prompt_length)
+                completion_ids = backend.generate(prompt_ids, samples, sampling, EVAL_SEED + lo)
+                texts = decode_completions(tokenizer, completion_ids)
+                truncated = [tokenizer.eos_token_id not in ids for ids in completion_ids]
+            else:
+                done = roll_out(agent, Turns(tokenizer, agent.schemas), backend, batch, conversations, samples,
+                                sampling, EVAL_SEED + lo, max_prompt_length)
+                prompt_ids = [r.prompt for r in done.rows[::samples]]
+                completion_ids, texts = [r.tokens for r in done.rows], done.answers
+                truncated = [r.truncated for r in done.rows]
             grades = task.grade(texts, [ex for ex in batch for _ in range(samples)])
-            for i, (ids, text, grade) in enumerate(zip(completion_ids, texts, grades, strict=True)):
+            for i, (ids, text, grade, cut) in enumerate(zip(completion_ids, texts, grades, truncated, strict=True)):
                 q = i // samples
                 records.append({
                     "index": lo + q,
@@ -147,7 +161,7 @@ def evaluate(model: Any, tokenizer: Any, backend: Backend, task: Task, examples:
                     "correct": grade.correct,
                     "formatted": grade.formatted,
                     "completion_tokens": len(ids),
-                    "truncated": tokenizer.eos_token_id not in ids,
+                    "truncated": cut,
                 })
             if samples > 1:
                 for q, ex in enumerate(batch):
@@ -226,7 +240,7 @@ def evaluate_from_args(args: list[str], config_files: list[str]) -> int:
         sampling = sampling_for(ev, train.max_completion_length)
         started = time.time()
         records, summary = evaluate(parts.policy, parts.tokenizer, parts.backend, parts.task, examples, sampling,
-                                    ev.batch_size, train.max_prompt_length, ev.samples, ev.pass_k)
+                                    ev.batch_size, train.max_prompt_length, ev.samples, ev.pass_k, agent=parts.agent)
     finally:
         parts.close()
     summary = {"task": cfg.task.name, "split": ev.split, "model": cfg.model.path, **summary,

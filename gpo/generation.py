@@ -11,8 +11,10 @@ from gpo.errors import UserError
 from gpo.types import Backend, Messages, RolloutBatch, Sampling
 
 
-def encode_prompts(tokenizer: Any, conversations: list[Messages], max_prompt_length: int) -> list[list[int]]:
-    """Token ids of each conversation with the generation prompt; over-long prompts keep their last tokens.
+def encode_prompts(tokenizer: Any, conversations: list[Messages], max_prompt_length: int,
+                   tools: list[dict] | None = None) -> list[list[int]]:
+    """Token ids of each conversation with the generation prompt; over-long prompts keep their last tokens. `tools`
+    (JSON schemas) go to a chat template that renders them (gpo/agent.py).
 
     Chat templates without a system role (Gemma 2, older Mistral) raise on a system message; the system text must
     still reach the model, so it is folded into the first user turn, as those models' own recipes do.
@@ -24,13 +26,13 @@ def encode_prompts(tokenizer: Any, conversations: list[Messages], max_prompt_len
     encoded = []
     for messages in conversations:
         try:
-            ids = _chat_template_ids(tokenizer, messages)
+            ids = _chat_template_ids(tokenizer, messages, tools)
         except TemplateError as exc:
             folded = fold_system_message(messages)
             if folded == messages:
                 raise UserError(f"the tokenizer's chat template rejects the task's prompt: {exc}") from exc
             try:
-                ids = _chat_template_ids(tokenizer, folded)
+                ids = _chat_template_ids(tokenizer, folded, tools)
             except TemplateError as again:
                 raise UserError(f"the tokenizer's chat template rejects the task's prompt, even with the system "
                                 f"message folded into the first user turn: {again}") from again
@@ -50,8 +52,9 @@ def fold_system_message(messages: Messages) -> Messages:
     return [{"role": "user", "content": system}, *rest]
 
 
-def _chat_template_ids(tokenizer: Any, messages: Messages) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def _chat_template_ids(tokenizer: Any, messages: Messages, tools: list[dict] | None = None) -> list[int]:
+    extra = {} if tools is None else {"tools": tools}  # a custom tokenizer's template may not take `tools`
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -114,7 +117,7 @@ def generate(backend: Backend, prompts: list[list[int]], n: int | list[int], sam
     lengths = generated.sum(dim=1)
     mask = completion_mask(completion_ids, eos_token_id, lengths)  # [N, L]
     reported = backend.generator_logprobs()
-    generator_logprobs = None if reported is None else _pad_floats(reported, completion_ids.shape[1])  # [N, L]
+    generator_logprobs = None if reported is None else pad_floats(reported, completion_ids.shape[1])  # [N, L]
     has_eos = ((completion_ids == eos_token_id) & (generated > 0)).any(dim=1)
     N = len(completions)
     return RolloutBatch(
@@ -131,7 +134,7 @@ def generate(backend: Backend, prompts: list[list[int]], n: int | list[int], sam
     ).trimmed()
 
 
-def _pad_floats(rows: list[list[float]], width: int) -> Tensor:
+def pad_floats(rows: list[list[float]], width: int) -> Tensor:
     """Per-token floats right-padded with 0 to `width` columns: [len(rows), width] float32."""
     out = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, r in enumerate(rows):

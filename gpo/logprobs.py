@@ -168,7 +168,7 @@ def batch_logprobs(module: Any, batch: RolloutBatch, micro_batch_size: int, temp
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
     row = 0
     for mb in micro_batches(batch, micro_batch_size):
-        logp = module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask, temperature)
+        logp = module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.attended, temperature)
         out[row : row + len(mb), : logp.shape[1]] = logp.float().cpu()
         row += len(mb)
     return out

@@ -119,6 +119,29 @@ def selection_metrics(total: RoundLedger, group_size: int, useful_rows: int) -> 
     return out
 
 
+def tool_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """A multi-turn step's tool use from its sums over calls and ranks (`gpo.agent.Trajectories.metrics`): per
+    trajectory means, shares, and the step's totals of failures, seconds in tools and calls per tool."""
+    n = sums.get("tool/trajectories", 0.0)
+    if not n:
+        return {}
+    calls, model, inserted = sums["tool/calls"], sums["tool/model_tokens"], sums["tool/tool_tokens"]
+    out = {
+        "tool/trajectories": n,
+        "tool/calls_per_trajectory": calls / n,
+        "tool/calling_share": sums["tool/calling"] / n,  # trajectories with at least one call
+        "tool/failures": sums["tool/failures"],
+        "tool/failure_rate": sums["tool/failures"] / calls if calls else 0.0,
+        "tool/turns_per_trajectory": sums["tool/turns"] / n,
+        "tool/model_tokens_per_trajectory": model / n,
+        "tool/tool_tokens_per_trajectory": inserted / n,
+        "tool/tool_token_share": inserted / (model + inserted) if model + inserted else 0.0,
+        "tool/seconds": sums["tool/seconds"],
+    }
+    out.update({k: v for k, v in sums.items() if k.startswith("tool/calls/")})
+    return out
+
+
 def staleness_metrics(staleness: Tensor, max_staleness: int) -> dict[str, float]:
     """async/*: how many policy versions old the weights that sampled the step's rows were (0 in lockstep). The
     share of rows at each staleness 0..k (`async/staleness_d`), its mean and maximum, and the rows dropped for

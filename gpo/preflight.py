@@ -34,6 +34,7 @@ def check(cfg: RunConfig) -> None:
     check_backend(cfg)
     check_tracker(cfg)
     check_precision(cfg)
+    check_agent(cfg)
 
 
 def check_output_dir(cfg: RunConfig) -> None:
@@ -155,3 +156,12 @@ def _bf16_asked(cfg: RunConfig) -> list[tuple[str, str, str]]:
     if cfg.backend.name in ("hf", "vllm"):  # their generator copy or engine (gpo.backends.precision)
         found.append(("backend.precision", getattr(cfg.backend.config, "precision", "auto"), "float32"))
     return [(key, value, instead) for key, value, instead in found if value in ("bf16", "bfloat16")]
+
+
+def check_agent(cfg: RunConfig) -> None:
+    """The task's tools and environment import and describe themselves (type hints, docstrings, `reset`)."""
+    options = cfg.task.config
+    if getattr(options, "tools", ()) or getattr(options, "environment", ""):
+        from gpo.agent import load_agent  # only for a multi-turn run: it imports torch and transformers
+
+        load_agent(options)

@@ -20,6 +20,8 @@ would otherwise spread through the group's mean and standard deviation into ever
 
 `completion_ids` (each completion's generated token ids), when the caller has them, reach a task whose `reward`
 takes a `completion_ids` keyword (`task=dataset` hands them to TRL-style functions); other tasks never see them.
+Multi-turn rollouts (gpo/agent.py) also offer `trajectories` (each completion's chat turns) and `environments`
+(each trajectory's environment instance) the same way.
 """
 
 from __future__ import annotations
@@ -44,10 +46,14 @@ def reward_errors_policy(task: Any, name: str) -> str:
 
 
 def score(task: Any, name: str, completions: list[str], examples: list[Example],
-          completion_ids: list[list[int]] | None = None) -> Rewards:
-    """`task.reward(completions, examples)`, checked, with the task's `reward_errors` policy applied."""
+          completion_ids: list[list[int]] | None = None, trajectories: list[list[dict]] | None = None,
+          environments: list[Any] | None = None) -> Rewards:
+    """`task.reward(completions, examples)`, checked, with the task's `reward_errors` policy applied. Each of
+    `completion_ids`, `trajectories` and `environments` given (one entry per completion) reaches a task whose
+    `reward` takes a keyword of that name."""
     policy = reward_errors_policy(task, name)
-    reward = _reward_fn(task, completion_ids)
+    extras = {"completion_ids": completion_ids, "trajectories": trajectories, "environments": environments}
+    reward = _reward_fn(task, {k: v for k, v in extras.items() if v is not None})
     try:
         rewards = _checked(reward(completions, examples, None), len(completions), name)
     except _BadScore as exc:
@@ -65,15 +71,15 @@ def score(task: Any, name: str, completions: list[str], examples: list[Example],
     return rewards
 
 
-def _reward_fn(task: Any, completion_ids: list[list[int]] | None) -> Any:
-    """`task.reward` as fn(completions, examples, rows): `rows` picks the completions' ids (None: all of them)."""
-    takes_ids = completion_ids is not None and "completion_ids" in inspect.signature(task.reward).parameters
+def _reward_fn(task: Any, extras: dict[str, list[Any]]) -> Any:
+    """`task.reward` as fn(completions, examples, rows): `rows` picks the completions' extras (None: all of them);
+    only the extras `task.reward` names are passed."""
+    taken = inspect.signature(task.reward).parameters
+    extras = {k: v for k, v in extras.items() if k in taken}
 
     def reward(completions: list[str], examples: list[Example], rows: list[int] | None) -> Rewards:
-        if not takes_ids or completion_ids is None:
-            return task.reward(completions, examples)
-        ids = completion_ids if rows is None else [completion_ids[i] for i in rows]
-        return task.reward(completions, examples, completion_ids=ids)
+        return task.reward(completions, examples,
+                           **{k: v if rows is None else [v[i] for i in rows] for k, v in extras.items()})
 
     return reward
 

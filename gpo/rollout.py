@@ -24,11 +24,12 @@ from typing import Any, Protocol
 
 import torch
 
+from gpo.agent import Agent, Turns, roll_out, score_trajectories
 from gpo.build import Parts
 from gpo.distributed import all_gather_batch, all_reduce_sum
 from gpo.errors import UserError
 from gpo.generation import completion_tokens, decode_completions, encode_prompts, generate
-from gpo.metrics import PhaseTimer, rollout_metrics
+from gpo.metrics import PhaseTimer, rollout_metrics, tool_metrics
 from gpo.parallel import gathered
 from gpo.rewards import score as score_completions
 from gpo.rollout_phases import Call, Phases, Round, RoundLedger, advance, generation_seed, rank_share
@@ -68,12 +69,14 @@ class Rollout:
     policy: Any
     rank: int = 0
     world_size: int = 1
+    agent: Agent | None = None  # multi-turn rollouts with the task's tools and environment (gpo/agent.py)
 
     def __post_init__(self) -> None:
         train = self.train
         self.sampling = Sampling(max_new_tokens=train.max_completion_length, temperature=train.temperature,
                                  top_p=train.top_p)
         self.pass_key = pass_criterion(self.task)
+        self.turns = None if self.agent is None else Turns(self.tokenizer, self.agent.schemas)
 
     @classmethod
     def from_parts(cls, parts: Parts, cfg: RunConfig, questions: QuestionStream, accelerator: Any = None,
@@ -84,7 +87,7 @@ class Rollout:
         return cls(train=cfg.train, seed=cfg.seed, task=parts.task, task_name=cfg.task.name,
                    tokenizer=parts.tokenizer, backend=parts.backend, objective=parts.objective,
                    selector=parts.selector, pruner=parts.pruner, allocator=parts.allocator, questions=questions,
-                   accelerator=accelerator, policy=parts.policy, rank=rank, world_size=world_size)
+                   accelerator=accelerator, policy=parts.policy, rank=rank, world_size=world_size, agent=parts.agent)
 
     def produce(self, step: int, version: int, timer: PhaseTimer,
                 refresh: Callable[[], int] | None = None) -> Produced:
@@ -115,29 +118,47 @@ class Rollout:
         labelled with the policy `version` that generated it."""
         share = rank_share(len(call.entries), self.rank, self.world_size)
         mine, counts = examples[share], call.counts[share]
+        trajectories = None
         with timer("generate"), gathered(self.accelerator, self.policy, needed=self.backend.generates_with_policy):
-            prompts = encode_prompts(self.tokenizer, [self.task.prompt(e) for e in mine], self.train.max_prompt_length)
+            conversations = [self.task.prompt(e) for e in mine]
+            # one count for a uniform call, even when this rank's share is empty: only a backend with
+            # per_prompt_counts is ever given a list
+            n = call.counts[0] if call.uniform else counts
             # Seeded by the call-wide index of this rank's first prompt (backends offset the seed per prompt), so
             # the step's samples do not depend on how many ranks share the generation.
-            local = generate(
-                # one count for a uniform call, even when this rank's share is empty: only a backend with
-                # per_prompt_counts is ever given a list
-                self.backend, prompts, call.counts[0] if call.uniform else counts, self.sampling,
-                seed=call.seed + share.start, eos_token_id=self.tokenizer.eos_token_id,
-                pad_token_id=self.tokenizer.pad_token_id, rank=self.rank,
-            )
+            seed = call.seed + share.start
+            if self.agent is None:
+                prompts = encode_prompts(self.tokenizer, conversations, self.train.max_prompt_length)
+                local = generate(self.backend, prompts, n, self.sampling, seed=seed,
+                                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                                 rank=self.rank)
+            else:
+                assert self.turns is not None
+                trajectories = roll_out(self.agent, self.turns, self.backend, list(mine), conversations, n,
+                                        self.sampling, seed, self.train.max_prompt_length, rank=self.rank)
+                local = trajectories.batch
         with timer("reward"):  # rewards: this rank scores the rows it generated
-            ids = completion_tokens(local)
-            texts = decode_completions(self.tokenizer, ids)
-            rows_examples = [e for e, n in zip(mine, counts, strict=True) for _ in range(n)]
-            scored = score_completions(self.task, self.task_name, texts, rows_examples, completion_ids=ids)
+            rows_examples = [e for e, c in zip(mine, counts, strict=True) for _ in range(c)]
+            if trajectories is None:
+                ids = completion_tokens(local)
+                scored = score_completions(self.task, self.task_name, decode_completions(self.tokenizer, ids),
+                                           rows_examples, completion_ids=ids)
+            else:
+                assert self.agent is not None  # trajectories come from the agent
+                scored = score_trajectories(self.task, self.task_name, trajectories, rows_examples, self.agent)
+                self._sum(task_metrics, trajectories.metrics(self.agent.tool_names))
             local.rewards = torch.tensor(scored.total, dtype=torch.float32)  # [N_rank]
             local.reward_components = {k: torch.tensor(v, dtype=torch.float32) for k, v in scored.components.items()}
-            for k, v in scored.metrics.items():  # counts such as verify_timeouts, summed over ranks and rounds
-                key = f"reward/{k}"
-                task_metrics[key] = task_metrics.get(key, 0.0) + float(all_reduce_sum(float(v)))
+            # counts such as verify_timeouts, summed over ranks and rounds
+            self._sum(task_metrics, {f"reward/{k}": v for k, v in scored.metrics.items()})
         local.versions = torch.full((len(local),), version, dtype=torch.long)  # [N_rank]: ranks' may differ (inflight)
         return all_gather_batch(local, self.tokenizer.pad_token_id)
+
+    @staticmethod
+    def _sum(into: dict[str, float], values: dict[str, float]) -> None:
+        """Add this rank's counts, summed over the ranks, to the step's (every rank holds the same sums)."""
+        for k, v in sorted(values.items()):
+            into[k] = into.get(k, 0.0) + float(all_reduce_sum(float(v)))
 
 
 @dataclass
@@ -262,8 +283,9 @@ class StepRollout:
 
     def metrics(self) -> dict[str, float]:
         rollout = self.rollout
+        task = {k: v for k, v in self.task_metrics.items() if not k.startswith("tool/")}
         out = {**rollout_metrics(self.seen, self.candidates, self.spent, rollout.train.group_size,
-                                 rollout.tokenizer.pad_token_id), **self.task_metrics}
+                                 rollout.tokenizer.pad_token_id), **task, **tool_metrics(self.task_metrics)}
         # reward/mean is the objective's shaped total (DAPO's overlong penalty moves it); these two are comparable
         # across objectives
         task_rewards = torch.cat(self.task_rewards) if self.task_rewards else torch.zeros(0)

@@ -163,6 +163,36 @@ class StudyConfig:
 
 
 @dataclass(frozen=True)
+class AgentOptions:
+    """Multi-turn rollouts, in TRL's convention: the options every built-in task has (docs/agents.md).
+
+    A trajectory is one completion in which the model's turns alternate with tool results (and an environment's
+    replies). Its whole length, the model's tokens and the inserted ones together, is bounded by
+    train.max_completion_length; only the model's tokens are trained or counted."""
+
+    # tools the model may call: "calculator" (built in) or "module:function" (type hints and a Google-style
+    # docstring, as transformers turns them into JSON schemas)
+    tools: tuple[str, ...] = ()
+    environment: str = ""  # "module:Class": one instance per trajectory; its public methods are tools too
+    max_tool_calls: NonNegativeInt = 8  # calls per trajectory; a turn asking for more gets error results
+    max_turns: PositiveInt = 8  # model turns per trajectory, the first included
+    # one tool call's bound: CPU seconds while it computes, wall seconds while it waits (gpo/tools.py)
+    tool_timeout_s: Positive = 10.0
+
+    def __post_init__(self) -> None:
+        for spec in self.tools:
+            if not spec.strip():
+                raise UserError("task.tools: an empty entry; give `calculator` or `module:function` for each tool.")
+        if self.environment and ":" not in self.environment and "." not in self.environment:
+            raise UserError(f"task.environment: `{self.environment}` is not `module:Class`.")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether rollouts are trajectories (tools or an environment), not single completions."""
+        return bool(self.tools or self.environment)
+
+
+@dataclass(frozen=True)
 class Component:
     """A picked component: its registered name and its validated config (an instance of the registered class)."""
 

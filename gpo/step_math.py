@@ -26,7 +26,17 @@ from torch import Tensor
 
 from gpo.logprobs import micro_batches
 from gpo.rollout_phases import Call, Phases, Round, RoundLedger, advance, generation_seed
-from gpo.types import Correction, Objective, Pruner, RolloutBatch, Selector, StepTotals, loss_mask_of, passes
+from gpo.types import (
+    Correction,
+    Objective,
+    Pruner,
+    RolloutBatch,
+    Selector,
+    StepTotals,
+    loss_mask_of,
+    model_tokens_only,
+    passes,
+)
 
 
 def shaped_rewards(objective: Objective, batch: RolloutBatch, group_size: int) -> Tensor:
@@ -94,7 +104,7 @@ def with_loss_mask(objective: Objective, batch: RolloutBatch) -> RolloutBatch:
     sharding rows carry it). A batch whose mask is filled already is returned as it is."""
     if batch.loss_mask is not None:
         return batch
-    return dataclasses.replace(batch, loss_mask=objective.loss_mask(batch))
+    return dataclasses.replace(batch, loss_mask=model_tokens_only(objective.loss_mask(batch), batch))
 
 
 def step_totals(objective: Objective, batch: RolloutBatch) -> StepTotals:

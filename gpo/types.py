@@ -26,7 +26,9 @@ class RolloutBatch:
     prompt_ids: Tensor  # [N, Lp] left-padded
     prompt_mask: Tensor  # [N, Lp] 1 on prompt tokens
     completion_ids: Tensor  # [N, L] right-padded
-    completion_mask: Tensor  # [N, L] 1 on tokens up to and including EOS
+    # [N, L] 1 on the model's own tokens, up to and including its last EOS: what the loss, the lengths and every
+    # token count read. A trajectory's tool results are not in it (see `tool_tokens`).
+    completion_mask: Tensor
     group_ids: Tensor  # [N] long: the question each row answers (rows of a group are contiguous)
     rewards: Tensor  # [N] shaped total reward
     advantages: Tensor  # [N] computed over the full group, before any pruning
@@ -49,13 +51,26 @@ class RolloutBatch:
     # bound (train.max_staleness) is checked on it
     versions: Tensor | None = None
     reward_components: dict[str, Tensor] = field(default_factory=dict)  # name -> [N]
+    # bool [N, L]: tokens a tool or an environment wrote into a multi-turn trajectory (gpo/agent.py). The model
+    # attends to them but they are never trained, counted or given a KL term. None: a single-turn batch, no such
+    # tokens (TRL's `tool_mask` is the complement: 1 on the model's tokens).
+    tool_tokens: Tensor | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
     @property
     def lengths(self) -> Tensor:
-        return self.completion_mask.sum(dim=1)  # [N]
+        """[N]: the model's own tokens per row (tool results excluded)."""
+        return self.completion_mask.sum(dim=1)
+
+    @property
+    def attended(self) -> Tensor:
+        """[N, L] long: the completion's tokens the model reads, its own and the tools' (the attention mask of a
+        log-prob pass); `completion_mask` itself where there are no tool tokens."""
+        if self.tool_tokens is None:
+            return self.completion_mask
+        return self.completion_mask | self.tool_tokens.to(self.completion_mask.dtype)
 
     def counted(self, loss_mask: Tensor) -> Tensor:
         """bool [N, L]: the loss tokens that count, `loss_mask` less those the correction dropped (`is_mask`). The
@@ -92,7 +107,8 @@ class RolloutBatch:
         """Drop completion columns that are padding in every row, and prompt columns likewise (left side)."""
         if len(self) == 0:
             return self
-        width = int(self.completion_mask.sum(dim=0).nonzero().max().item()) + 1 if self.completion_mask.any() else 1
+        attended = self.attended
+        width = int(attended.sum(dim=0).nonzero().max().item()) + 1 if attended.any() else 1
         start = int(self.prompt_mask.sum(dim=0).nonzero().min().item()) if self.prompt_mask.any() else 0
 
         def cut(x: Tensor | None) -> Tensor | None:
@@ -110,6 +126,7 @@ class RolloutBatch:
             is_weights=cut(self.is_weights),
             is_mask=cut(self.is_mask),
             loss_mask=cut(self.loss_mask),
+            tool_tokens=cut(self.tool_tokens),
         )
 
     @staticmethod
@@ -157,6 +174,9 @@ class RolloutBatch:
             is_mask=cat_optional("is_mask"),
             loss_mask=cat_optional("loss_mask"),
             versions=cat_optional("versions"),
+            tool_tokens=None if all(b.tool_tokens is None for b in batches) else stack(
+                [torch.zeros_like(b.completion_ids, dtype=torch.bool) if b.tool_tokens is None else b.tool_tokens
+                 for b in batches]),
             reward_components={
                 k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components
             },
@@ -266,7 +286,15 @@ class Objective(Protocol):
 def loss_mask_of(objective: Objective, batch: RolloutBatch) -> Tensor:
     """[N, L]: the tokens the loss sees, `batch.loss_mask` where the step filled it, else the objective's
     `loss_mask(batch)` (a hand-made batch): what every reader of the loss mask calls."""
-    return objective.loss_mask(batch) if batch.loss_mask is None else batch.loss_mask
+    return model_tokens_only(objective.loss_mask(batch), batch) if batch.loss_mask is None else batch.loss_mask
+
+
+def model_tokens_only(mask: Tensor, batch: RolloutBatch) -> Tensor:
+    """`mask` [N, L] without the tokens a tool or environment wrote: whatever an objective's `loss_mask` returns
+    (a plug-in's may start from all ones), they are never trained on."""
+    if batch.tool_tokens is None:
+        return mask
+    return mask * ~batch.tool_tokens.to(mask.device) if mask.dtype != torch.bool else mask & ~batch.tool_tokens
 
 
 class Pruner(Protocol):

@@ -46,7 +46,7 @@ def row_keys(batch: RolloutBatch, seed: int) -> Tensor:
         h.update(seed.to_bytes(8, "little", signed=True))
         h.update(batch.prompt_ids[i][batch.prompt_mask[i].bool()].to(torch.int64).cpu().numpy().tobytes())
         h.update(b"|")
-        h.update(batch.completion_ids[i][batch.completion_mask[i].bool()].to(torch.int64).cpu().numpy().tobytes())
+        h.update(batch.completion_ids[i][batch.attended[i].bool()].to(torch.int64).cpu().numpy().tobytes())
         keys.append(int.from_bytes(h.digest(), "little") >> 1)  # 63 bits: fits a non-negative int64
     return torch.tensor(keys, dtype=torch.int64)  # [N]
 

@@ -22,6 +22,7 @@ from typing import Literal
 
 from gpo.errors import UserError
 from gpo.registry import register
+from gpo.run_config import AgentOptions
 from gpo.schema import NonNegative, PositiveInt
 from gpo.tasks.answers import answer_tag, last_number, same_number, weighted_rewards
 from gpo.tasks.data import SPLITS
@@ -43,7 +44,7 @@ SPLIT_STREAM = {"train": 0, "validation": 1, "test": 2}  # disjoint generator se
 
 
 @dataclass(frozen=True)
-class ArithConfig:
+class ArithConfig(AgentOptions):
     digits: PositiveInt = 1  # operands have this many digits (1: 0-9)
     operations: PositiveInt = 1  # operators per problem (1: "a + b")
     operators: tuple[Literal["+", "-", "*"], ...] = ("+",)  # drawn uniformly from these

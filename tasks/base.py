@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpo.run_config import AgentOptions
 from gpo.schema import NonNegative, NonNegativeInt
 from gpo.tasks.answers import answer_tag, r1_formatted, weighted_rewards
 from gpo.tasks.data import BadRows, DataDir, DataSource, SplitCache, read_rows, resolve
@@ -19,7 +20,7 @@ from gpo.types import Example, Grade, Messages, Rewards, passes
 
 
 @dataclass(frozen=True)
-class DatasetTaskConfig:
+class DatasetTaskConfig(AgentOptions):
     """Options every question/answer task has; a task's own config overrides defaults by redeclaring a field."""
 
     validation_size: NonNegativeInt = 256  # rows carved from train for checkpoint selection

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpo.errors import UserError
+from gpo.run_config import AgentOptions
 from gpo.tasks.answers import as_decimal, numbers
 from gpo.tasks.base import DatasetTask
 from gpo.tasks.data import BadRows, DataDir, DataSource, read_rows, resolve
@@ -40,7 +41,7 @@ def gold_answer(row: Example) -> str:
 
 
 @dataclass(frozen=True)
-class CompetitionConfig:
+class CompetitionConfig(AgentOptions):
     """What aime24 and amc23 take; each config only names its own Hub dataset as the `test` default."""
 
     test: DataSource = DataSource()

@@ -19,7 +19,7 @@ import math
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from gpo.errors import UserError, did_you_mean
 from gpo.registry import register
@@ -68,7 +68,9 @@ class DatasetConfig(DatasetTaskConfig):
         template_fields(self.user_template)
         functions = self.reward_functions()
         names = [r.name for r in functions]
-        components = [*(BUILT_IN if self.grader != "none" else ()), *names]
+        # an environment's get_reward() is one more component, named after its class (gpo/agent.py)
+        environment = [self.environment.replace(":", ".").rpartition(".")[2]] if self.environment else []
+        components = [*(BUILT_IN if self.grader != "none" else ()), *names, *environment]
         repeated = sorted({n for n in components if components.count(n) > 1})
         if repeated:
             raise UserError(f"task.rewards: two reward components would be named `{repeated[0]}` (components are "
@@ -238,14 +240,14 @@ class Dataset(DatasetTask):
         verdicts = verify_answers(self._pool, golds, predictions)
         return [float(correct) for _, correct in verdicts], verify_metrics(verdicts)
 
-    def reward(self, completions: list[str], examples: list[Example],
-               completion_ids: list[list[int]] | None = None) -> Rewards:
+    def reward(self, completions: list[str], examples: list[Example], completion_ids: list[list[int]] | None = None,
+               trajectories: list[list[dict]] | None = None, environments: list[Any] | None = None) -> Rewards:
         if self.cfg.grader != "none":
             rewards = super().reward(completions, examples)
         else:
             rewards = Rewards(total=[0.0] * len(completions), components={}, metrics={})
         for function, weight in zip(self._functions, self._weights, strict=True):
-            values = self._call(function, completions, examples, completion_ids)
+            values = self._call(function, completions, examples, completion_ids, trajectories, environments)
             scores = [0.0 if v is None else v for v in values]
             rewards.components[function.name] = scores
             rewards.total = [t + weight * s for t, s in zip(rewards.total, scores, strict=True)]
@@ -271,16 +273,20 @@ class Dataset(DatasetTask):
             self._pool = None
 
     def _call(self, function: user_rewards.RewardFunction, completions: list[str], examples: list[Example],
-              completion_ids: list[list[int]] | None) -> list[float | None]:
+              completion_ids: list[list[int]] | None, trajectories: list[list[dict]] | None = None,
+              environments: list[Any] | None = None) -> list[float | None]:
+        """`completions` are texts (a trajectory's last model turn); conversational functions get each
+        trajectory's turns where there are some, as TRL passes a multi-turn completion."""
         messages = [self.prompt(ex) for ex in examples]
         if self.cfg.reward_format == "conversational":
             prompts: list = messages
-            shown: list = [[{"role": "assistant", "content": c}] for c in completions]
+            shown: list = trajectories or [[{"role": "assistant", "content": c}] for c in completions]
         else:
             prompts, shown = [m[-1]["content"] for m in messages], list(completions)
         columns = {c: [ex.get(c) for ex in examples] for c in sorted(self._columns)}
         try:
-            return user_rewards.call(function, self.cfg.reward_timeout_s, prompts, shown, completion_ids, columns)
+            return user_rewards.call(function, self.cfg.reward_timeout_s, prompts, shown, completion_ids, columns,
+                                     environments)
         except user_rewards.RewardFunctionError as exc:
             if "did not return within" in str(exc) and self.reward_errors == "raise":
                 # Stop now: re-scoring the batch one completion at a time to name the culprit would wait this long

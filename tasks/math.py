@@ -46,6 +46,7 @@ from gpo.tasks.answers import answer_tag, last_boxed
 from gpo.tasks.base import DatasetTask, StoredSplitsConfig
 from gpo.tasks.data import BadRows, DataSource
 from gpo.types import Example
+from gpo.user_code import process_cpu_seconds, stop_worker
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant that solves competition mathematics problems. First reason step by step "
@@ -262,19 +263,7 @@ class _Worker:
         return "cpu" if cpu is not None and cpu - self.cpu_at_assign > cpu_s else None
 
     def stop(self, kill: bool) -> None:
-        if self.process.is_alive():
-            if kill:
-                self.process.kill()
-            else:
-                try:
-                    self.conn.send(None)
-                except OSError:
-                    pass
-            self.process.join(timeout=1.0)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
-        self.conn.close()
+        stop_worker(self.process, self.conn, kill)
 
 
 class _ItemTimeout(BaseException):
@@ -327,38 +316,6 @@ def _bounded(gold: str, prediction: str, limit_s: float) -> Verdict:
         return (TIMEOUT, False)
     except Exception:
         return (ERROR, False)
-
-
-def process_cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU seconds process `pid` has used; None when it cannot be read (gone, or no way here).
-
-    Linux: /proc/<pid>/stat, no dependency and cheap enough to read every `POLL_S`. Elsewhere: psutil (installed
-    with Accelerate) where importable.
-    """
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # The command name (field 2) is in parentheses and may hold spaces: count the fields after it.
-            fields = f.read().rpartition(b")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime and stime, fields 14 and 15
-    except FileNotFoundError:
-        if os.path.isdir("/proc/self"):  # /proc exists: the process is gone
-            return None
-    except (OSError, ValueError, IndexError):
-        return None
-    try:
-        import psutil
-    except ImportError:
-        return None
-    try:
-        times = psutil.Process(pid).cpu_times()
-    except psutil.Error:
-        return None
-    return float(times.user + times.system)
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def verify_pair(gold: str, prediction: str) -> Verdict:

@@ -23,11 +23,11 @@ COMPONENT_PACKAGES = ("gpo.algorithms", "gpo.selectors", "gpo.pruners", "gpo.all
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("gpo", "gpo.errors", "gpo.schema", "gpo.types", "gpo.run_config", "gpo.configs")),
     ("core", ("gpo.registry", "gpo.hardware", "gpo.ops", "gpo.quota", "gpo.logprobs", "gpo.step_math",
-              "gpo.rollout_phases")),
+              "gpo.rollout_phases", "gpo.user_code")),
     ("components", COMPONENT_PACKAGES),
     ("parts", ("gpo.config", "gpo.preflight", "gpo.build", "gpo.backends", "gpo.tracking", "gpo.tracking_store",
                "gpo.models", "gpo.parallel", "gpo.distributed", "gpo.decoding", "gpo.generation", "gpo.checkpoint",
-               "gpo.sampler", "gpo.rewards", "gpo.metrics")),
+               "gpo.sampler", "gpo.rewards", "gpo.metrics", "gpo.agent", "gpo.tools", "gpo.environments")),
     ("run", ("gpo.rollout", "gpo.generator", "gpo.async_rollout", "gpo.async_ray", "gpo.engine", "gpo.evaluate",
              "gpo.study", "gpo.launch")),
     ("cli", ("gpo.cli", "gpo.__main__")),

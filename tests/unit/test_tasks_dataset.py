@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from gpo import registry
+from gpo import registry, user_code
 from gpo.config import compose
 from gpo.errors import UserError
 from gpo.rewards import score
-from gpo.tasks import graders, user_rewards
+from gpo.tasks import graders
 from kit import crowded_core
 
 ROWS = [{"question": f"q{i}", "answer": str(i), "hint": f"h{i}"} for i in range(6)]
@@ -191,11 +191,11 @@ def test_a_hanging_reward_is_bounded_in_time(data):
         sys.modules[mod].release.set()
 
 
-@pytest.mark.skipif(not user_rewards.CPU_CLOCKS, reason="no thread CPU clock here: the bound is wall time")
+@pytest.mark.skipif(not user_code.CPU_CLOCKS, reason="no thread CPU clock here: the bound is wall time")
 def test_a_spinning_reward_is_bounded_by_its_cpu_time(data, monkeypatch):
     _, mod = data
     # Only the CPU bound can stop it: the wall backstop is moved out of reach (600 s), and it never waits.
-    monkeypatch.setattr(user_rewards, "WALL_FACTOR", 3000)
+    monkeypatch.setattr(user_code, "WALL_FACTOR", 3000)
     rows = list(build("task.path=train.jsonl").load("train"))[:2]
     task = build("task.path=train.jsonl", f"task.rewards=[{mod}:spin]", "task.reward_timeout_s=0.2")
     try:
@@ -206,11 +206,11 @@ def test_a_spinning_reward_is_bounded_by_its_cpu_time(data, monkeypatch):
         sys.modules[mod].release.set()  # the abandoned call stops spinning
 
 
-@pytest.mark.skipif(not user_rewards.CPU_CLOCKS, reason="no thread CPU clock here: the bound is wall time")
+@pytest.mark.skipif(not user_code.CPU_CLOCKS, reason="no thread CPU clock here: the bound is wall time")
 def test_a_computing_reward_within_its_cpu_time_is_not_failed_by_load(data, monkeypatch):
     """0.5 CPU s against a 1 s bound, on a core shared four ways: 2 s of wall time or more, yet it passes."""
     _, mod = data
-    monkeypatch.setattr(user_rewards, "WALL_FACTOR", 600)  # the wall backstop only stops a broken test here
+    monkeypatch.setattr(user_code, "WALL_FACTOR", 600)  # the wall backstop only stops a broken test here
     rows = list(build("task.path=train.jsonl").load("train"))[:2]
     task = build("task.path=train.jsonl", f"task.rewards=[{mod}:crunch]", "task.reward_timeout_s=1")
     with crowded_core():  # the call's thread starts on the crowded core

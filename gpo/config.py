@@ -183,7 +183,8 @@ def _merged(args: Sequence[str], config_files: Sequence[str | Path],
 
     # Plug-ins must be imported before group picks are resolved: they may bring components without YAML files.
     registry.load_builtins()
-    prelim = cast(DictConfig, OmegaConf.merge(base, *stack, _override_layer(overrides, None)))
+    readable = _override_layer(overrides, None)  # what YAML can read of them before the field types are known
+    prelim = cast(DictConfig, OmegaConf.merge(base, *stack, readable))
     registry.load_plugins(_as_list(prelim.get("plugins")))
     auto_note = None
     if picked.get("backend") == AUTO_BACKEND:
@@ -195,7 +196,7 @@ def _merged(args: Sequence[str], config_files: Sequence[str | Path],
 
     groups = OmegaConf.create({group: _group_node(group, name) for group, name in picked.items()})
     # The components are known now, so each override's field type is: a text field keeps the text as typed.
-    picked_names = cast(DictConfig, OmegaConf.merge(base, groups, *stack, _override_layer(overrides, None)))
+    picked_names = cast(DictConfig, OmegaConf.merge(base, groups, *stack, readable))
     merged = OmegaConf.merge(base, groups, *stack, _override_layer(overrides, _text_fields(picked_names)))
     try:
         plain = cast(dict[str, Any], OmegaConf.to_container(merged, resolve=True))

@@ -16,6 +16,7 @@ multi-rank step sums `step_totals` over ranks before the loss; the engine does t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Mapping, Sequence
@@ -59,10 +60,16 @@ def group_filter(objective: Objective, batch: RolloutBatch, shaped: Tensor, grou
 
 def takes_verdicts(objective: Objective) -> bool:
     """Whether the objective's `group_filter` takes the `passed` verdicts (every built-in does; a plug-in's
-    override from before they existed takes only rewards and components, and keeps working)."""
+    override from before they existed takes only rewards and components, and keeps working). Read once per
+    objective class."""
+    return _filter_takes_verdicts(type(objective))
+
+
+@functools.cache
+def _filter_takes_verdicts(cls: type) -> bool:
     try:
-        parameters = inspect.signature(objective.group_filter).parameters
-    except (TypeError, ValueError):
+        parameters = inspect.signature(cls.group_filter).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
         return True
     return "passed" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 

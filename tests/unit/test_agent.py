@@ -177,3 +177,22 @@ def _with_template(tokenizer, template):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = template
     return tok
+
+
+def test_evaluation_grades_each_trajectorys_answer(tokenizer):
+    from gpo import registry
+    from gpo.evaluate import evaluate
+
+    registry.load_builtins()
+    task = registry.get("task", "arith").build(registry.get("task", "arith").config(digits=2, operators=("*",)))
+    examples = list(task.load("test"))[:3]
+    agent = agent_for()
+    try:
+        records, summary = evaluate(None, tokenizer, ScriptedBackend(ScriptedConfig(), tokenizer=tokenizer), task,
+                                    examples, Sampling(200, greedy=True), batch_size=4, samples=2, agent=agent)
+    finally:
+        agent.close()
+    # sample 0 of each question calls the calculator and answers its result; sample 1 answers 0 at once
+    assert [r["correct"] for r in records] == [True, False] * 3
+    assert summary["accuracy"] == pytest.approx(0.5) and summary["pass_at_2"] == pytest.approx(1.0)
+    assert all(r["completion"].startswith("<answer>") for r in records)

@@ -25,7 +25,7 @@ from gpo.config import to_yaml
 from gpo.distributed import all_reduce_sum, from_rank_zero, peer_failures_explained, shard, world
 from gpo.errors import UserError
 from gpo.logprobs import TokenLogprobs, batch_logprobs, computing_in, micro_batches
-from gpo.metrics import MetricSums, PhaseTimer, mismatch_metrics, staleness_metrics
+from gpo.metrics import MetricSums, PhaseTimer, entropy_share, mismatch_metrics, staleness_metrics
 from gpo.models import export_model
 from gpo.parallel import accumulating, build_accelerator, full_state_dict, gathered, prepare_policy, prepare_reference
 from gpo.rollout import Lockstep, Rollout, RolloutSource
@@ -157,15 +157,16 @@ class Engine:
             for i, mb in enumerate(micro):
                 with accumulating(self.accelerator, self.module, last=i == len(micro) - 1):
                     mb = mb.to(device)
-                    logp = self.module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.attended,
-                                       train_cfg.temperature)
+                    logp, entropy = self.module(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.attended,
+                                                train_cfg.temperature, with_entropy=True)
                     if mb.generator_logprobs is not None and mb.is_weights is None:  # mu == 1: this pass is pi_old
                         mb, counts = corrected(self.correction, self.objective, mb, logp, may_mask=False)
                         mismatch.add(counts)
                     loss, metrics = self.objective.loss(logp, mb, totals)
                     # Each rank's loss is its share of the global step loss; DDP averages gradients over ranks.
                     self.accelerator.backward(loss * self.world_size)
-                sums.add({"loss/total": loss.detach(), **metrics})
+                sums.add({"loss/total": loss.detach(), **metrics,
+                          "policy/entropy": entropy_share(entropy.view(logp.shape), mb, self.objective, totals)})
             grad_norms.append(float(self.accelerator.clip_grad_norm_(self.module.parameters(),
                                                                      self.optim_cfg.max_grad_norm)))
             self.optimizer.step()

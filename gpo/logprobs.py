@@ -67,13 +67,17 @@ class TokenLogprobs(nn.Module):
         self._share_prompt = on and supports_prompt_sharing(self.model)
 
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-                temperature: float = 1.0) -> Tensor:
+                temperature: float = 1.0, with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """logp [n, L]; with `with_entropy` also (logp, entropy [n, L]): each position's entropy of
+        softmax(logits / temperature), detached, from the same chunk of logits (no second LM head pass)."""
         dtype = AUTOCAST_DTYPES[self.precision]
         with torch.autocast(prompt_ids.device.type, dtype=dtype, enabled=dtype is not None):
-            return self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+            logp, entropy = self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                                           with_entropy)
+        return (logp, entropy) if with_entropy else logp
 
     def _logprobs(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-                  temperature: float) -> Tensor:
+                  temperature: float, with_entropy: bool = False) -> tuple[Tensor, Tensor]:
         prompts = distinct_prompts(prompt_ids, prompt_mask) if self.share_prompt else None
         if prompts is not None and len(prompts[0]) < len(prompt_ids):
             h = self._hidden_shared(prompt_ids, prompt_mask, completion_ids, completion_mask, *prompts)
@@ -82,15 +86,20 @@ class TokenLogprobs(nn.Module):
         head = self.model.get_output_embeddings()
         flat_h = h.reshape(-1, h.shape[-1])  # [n*L, H]
         flat_ids = completion_ids.reshape(-1)  # [n*L]
-        parts = []
+        parts, entropies = [], []
         for lo in range(0, flat_h.shape[0], self.chunk_size):
+            # A fresh list per chunk: the first call fills it, so the backward pass's replay of the chunk skips the
+            # entropy (it only needs the log-probs' saved tensors, and the replay's outputs are discarded).
             args = (flat_h[lo : lo + self.chunk_size], flat_ids[lo : lo + self.chunk_size], head.weight,
-                    head.bias, temperature)
+                    head.bias, temperature, [with_entropy])
             if torch.is_grad_enabled():
-                parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+                logp, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
             else:
-                parts.append(_chunk_logprobs(*args))
-        return torch.cat(parts).view(completion_ids.shape)  # [n, L]
+                logp, entropy = _chunk_logprobs(*args)
+            parts.append(logp)
+            entropies.append(entropy)
+        # Without `with_entropy` the entropy chunks are empty and this is an empty tensor nobody reads.
+        return torch.cat(parts).view(completion_ids.shape), torch.cat(entropies)  # [n, L], [n*L] or [0]
 
     def _hidden_full(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                      completion_mask: Tensor) -> Tensor:
@@ -137,12 +146,22 @@ class TokenLogprobs(nn.Module):
         return torch.cat([prompt_hidden[owner, -1:], completion_hidden[:, :-1]], dim=1)
 
 
-def _chunk_logprobs(h: Tensor, ids: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """log softmax(h W^T + b) / temperature at `ids`, the head in the weights' own dtype (never autocast: see the
-    module header), the log-softmax in float32. Weights stored in bf16 (DeepSpeed bf16) give bf16 logits, upcast."""
+def _chunk_logprobs(h: Tensor, ids: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
+                    entropy_wanted: list[bool]) -> tuple[Tensor, Tensor]:
+    """(log softmax(h W^T + b) / temperature at `ids` [c], entropy [c] or empty): the head in the weights' own dtype
+    (never autocast: see the module header), the log-softmax in float32. Weights stored in bf16 (DeepSpeed bf16)
+    give bf16 logits, upcast. The entropy is computed without gradient, so backward keeps nothing extra for it;
+    `entropy_wanted` [flag] is cleared once it is computed, so a checkpoint replay does not compute it again."""
     with torch.autocast(h.device.type, enabled=False):
         logits = nn.functional.linear(h.to(weight.dtype), weight, bias).float() / temperature  # [c, V], one chunk
-    return logits.log_softmax(dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [c]
+    log_probs = logits.log_softmax(dim=-1)  # [c, V]
+    logp = log_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [c]
+    if not entropy_wanted[0]:
+        return logp, logp.new_empty(0)
+    entropy_wanted[0] = False
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)  # [c]
+    return logp, entropy
 
 
 def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:

@@ -18,7 +18,7 @@ from torch import Tensor
 from gpo.distributed import all_reduce_values
 from gpo.ops import group_index, zero_variance_groups
 from gpo.rollout_phases import RoundLedger
-from gpo.types import RolloutBatch
+from gpo.types import Objective, RolloutBatch, StepTotals, loss_mask_of
 
 
 def rollout_metrics(seen: list[RolloutBatch], candidates: list[tuple[RolloutBatch, Tensor]], spent: RoundLedger,
@@ -200,6 +200,14 @@ class PhaseTimer:
         out = {f"time/{k}": v for k, v in self.seconds.items()}
         out["time/step"] = time.perf_counter() - self.start
         return out
+
+
+def entropy_share(entropy: Tensor, batch: RolloutBatch, objective: Objective, totals: StepTotals) -> float:
+    """This micro-batch's share of `policy/entropy`, the mean token entropy [N, L] over the step's loss tokens: its
+    counted loss tokens' entropy summed, over the step's token total, so MetricSums' sum over micro-batches and
+    ranks gives a token-weighted mean (tool tokens and padding are never in the loss mask)."""
+    counted = batch.counted(loss_mask_of(objective, batch)).to(entropy.device)  # [N, L]
+    return float((entropy * counted).sum()) / max(totals.tokens, 1)
 
 
 class MetricSums:

@@ -20,7 +20,7 @@ ALGOS = sorted(registry.names("algo"))
 # every objective, each beside another selector / pruner / allocator, so each lever also runs on trajectories
 LEVERS = [("none", "none", "static"), ("screen", "topk", "dynamic"), ("greso", "random", "static"),
           ("mopps", "threshold", "dynamic")]
-CALCULATOR = ["task=arith", "task.tools=[calculator]", "backend=scripted", "plugins=[gpo_scripted]",
+CALCULATOR = ["task=arith", "task.tools=[calculator]", "backend=scripted_turns", "plugins=[gpo_scripted]",
               "train.max_completion_length=96", "task.operators=['*']", "task.digits=2"]
 
 
@@ -83,7 +83,7 @@ def test_a_trajectory_ends_at_the_turn_limit(tiny_model_path, tmp_path):
 def test_an_environment_answers_turns_until_the_episode_ends(tiny_model_path, tmp_path):
     eng = engine(tiny_model_path, tmp_path, "task=dataset", f"task.path={hidden_numbers(tmp_path)}",
                  "task.environment=gpo_envs:GuessNumber", "task.grader=none", "task.pass_criterion=GuessNumber",
-                 "backend=scripted", "backend.script=talk", "task.max_turns=8", "train.max_completion_length=200",
+                 "backend=scripted_turns", "backend.script=talk", "task.max_turns=8", "train.max_completion_length=200",
                  "plugins=[gpo_scripted,gpo_envs]", base=())
     seen = recorded(eng)
     try:

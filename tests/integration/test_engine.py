@@ -165,3 +165,20 @@ def test_a_lower_precision_generator_trains_and_is_synced_every_step(tiny_model_
     norm = "model.norm.weight"
     assert not torch.equal(trained[norm], start[norm])
     assert torch.equal(copy[norm], trained[norm].to(copy[norm].dtype))
+
+
+def test_policy_entropy_is_a_token_weighted_mean_whatever_the_micro_batches(tiny_model_path, tmp_path):
+    """One micro-batch per row against one for the whole step: a mean of per-micro-batch means would differ (rows
+    have different lengths); the token-weighted mean does not."""
+    import math
+
+    from gpo.engine import Engine
+
+    extra = ("pruner=none", "allocator=static")
+    whole = Engine(tiny_config(tiny_model_path, tmp_path / "a", *extra, "train.micro_batch_size=64"))
+    rows = Engine(tiny_config(tiny_model_path, tmp_path / "b", *extra, "train.micro_batch_size=1"))
+    a, b = whole.step(), rows.step()
+    assert a["tokens/trained"] == b["tokens/trained"] > 0
+    vocab = whole.policy.get_output_embeddings().weight.shape[0]
+    assert 0 < a["policy/entropy"] <= math.log(vocab)
+    assert a["policy/entropy"] == pytest.approx(b["policy/entropy"], rel=1e-4)

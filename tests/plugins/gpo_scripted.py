@@ -41,7 +41,7 @@ def turn_text(script: str, prompt: str, row: int) -> str:
     return f"<tool_call>\n{call}\n</tool_call>"
 
 
-@register("backend", "scripted", config=ScriptedConfig)
+@register("backend", "scripted_turns", config=ScriptedConfig)
 class ScriptedBackend:
     generates_with_policy = False
     per_prompt_counts = True

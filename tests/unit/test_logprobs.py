@@ -117,3 +117,25 @@ def test_sliding_window_models_do_not_share_prompts():
                                                                      sliding_window=4, max_window_layers=0)))
     sliding = MistralForCausalLM(MistralConfig(**SIZES, sliding_window=4))
     assert not TokenLogprobs(sliding, share_prompt=True).share_prompt
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_entropy_comes_from_the_same_pass_detached_and_leaves_log_probs_and_gradients_unchanged(share):
+    model = tiny("llama", checkpointing=True)
+    plain_logp, plain_grads = logprobs_and_grads(model, share)
+    module = TokenLogprobs(model, chunk_size=7, share_prompt=share)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch()
+    model.zero_grad()
+    logp, entropy = module(prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7, with_entropy=True)
+    assert not entropy.requires_grad and entropy.numel() == logp.numel()
+    (logp * completion_mask * torch.linspace(0.5, 1.5, logp.numel()).view(logp.shape)).sum().backward()
+    torch.testing.assert_close(logp.detach() * completion_mask, plain_logp, atol=0, rtol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # by hand: -sum p log p of the model's own logits at temperature 0.7
+        mask = torch.cat([prompt_mask, completion_mask], 1)
+        logits = model(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, prompt_ids.shape[1] - 1 : -1] / 0.7
+        p = logits.softmax(-1)
+        expected = -(p * p.log()).sum(-1) * completion_mask  # [6, 4]
+    torch.testing.assert_close(entropy.view(logp.shape) * completion_mask, expected, atol=2e-5, rtol=0)
